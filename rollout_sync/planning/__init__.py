@@ -1,0 +1,1 @@
+"""Pure planning: from source and target maps to a deterministic plan of point-to-point copies."""
