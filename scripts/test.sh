@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# The project's test command: sets up the environment if needed (scripts/setup.sh, idempotent), then runs
+# the linters, the type checker and the test suite (all tests but those marked gpu). Extra arguments go to
+# pytest, e.g. `bash scripts/test.sh -m "not vllm" -x`.
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$root"
+bash scripts/setup.sh
+py=".venv/bin/python"
+export DS_ACCELERATOR=cpu
+export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"
+echo "[test] ruff" >&2
+"$py" -m ruff check rollout_sync vllm_plugin tests examples
+"$py" -m ruff format --check rollout_sync vllm_plugin tests examples
+echo "[test] mypy" >&2
+"$py" -m mypy
+echo "[test] pytest" >&2
+"$py" -m pytest "$@"
