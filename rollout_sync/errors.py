@@ -106,3 +106,8 @@ class PeerFailedError(RolloutSyncError, RuntimeError):
 
 class SyncTimeoutError(RolloutSyncError, TimeoutError):
     """A wait ran past its timeout."""
+
+
+class HandshakeError(RolloutSyncError, RuntimeError):
+    """The handshake refused a peer (wrong token, another message version, an unexpected or duplicate
+    peer) or was aborted by the coordinator."""

@@ -1,0 +1,232 @@
+"""The coordinator's side of the handshake (runs on trainer rank 0).
+
+State machine, coordinator side::
+
+    LISTENING ──hello (valid)──────────────► LISTENING, until every expected peer is in ──► ADMITTED
+    LISTENING ──hello (bad token, other version, duplicate or unexpected peer)──► reply REFUSED to it,
+              ABORT to the admitted peers, raise HandshakeError
+    LISTENING ──deadline──► ABORT to the admitted peers, raise SyncTimeoutError naming the missing peers
+    ADMITTED  ──welcome(replies)──► WELCOMED ──ready from every peer──► DONE
+    WELCOMED  ──deadline──► ABORT, raise SyncTimeoutError naming the peers not ready
+    any state ──abort(reason)──► ABORT to every admitted peer
+
+Expected peers: trainer ranks ``0..trainer_world-1`` and, for each of ``engines`` rollout engines, its
+workers ``0..size-1`` (an engine's size is read from its workers' hellos, which must agree). Global ranks:
+trainer rank r is global rank r; engine e's worker w is ``trainer_world + (sizes of engines before e) + w``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hmac
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import zmq
+
+from ..errors import HandshakeError, SyncTimeoutError, WireFormatError
+from .messages import ABORT, HELLO, READY, REFUSED, WELCOME, Message, decode, encode
+
+TRAINER = "trainer"
+ROLLOUT = "rollout"
+
+
+@dataclass(frozen=True)
+class PeerInfo:
+    """One admitted peer, as its hello described it."""
+
+    identity: bytes
+    role: str  # TRAINER or ROLLOUT
+    group: int  # 0 for trainer ranks; the engine index for rollout workers
+    local_rank: int  # the trainer rank, or the worker's TP rank in its engine
+    local_size: int  # the trainer world size, or the engine's number of workers
+    fields: Mapping[str, Any]
+    payload: bytes
+
+    @property
+    def name(self) -> str:
+        return (
+            f"trainer rank {self.local_rank}"
+            if self.role == TRAINER
+            else (f"engine {self.group} worker {self.local_rank}")
+        )
+
+
+class Coordinator:
+    def __init__(
+        self,
+        *,
+        token: str,
+        trainer_world: int,
+        engines: int,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        timeout: float = 120.0,
+    ) -> None:
+        if not token:
+            raise HandshakeError("a non-empty shared token is required (argument or ROLLOUT_SYNC_TOKEN)")
+        if trainer_world < 1 or engines < 0:
+            raise ValueError(
+                f"expected trainer_world >= 1 and engines >= 0, found {trainer_world}, {engines}"
+            )
+        self._token = token
+        self.trainer_world = trainer_world
+        self.engines = engines
+        self.timeout = timeout
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+        self._sock: zmq.Socket[bytes] = self._ctx.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.LINGER, 1000)
+        self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        if port:
+            self._sock.bind(f"tcp://{host}:{port}")
+        else:
+            port = self._sock.bind_to_random_port(f"tcp://{host}")
+        self.host = host
+        self.port = port
+        self.peers: dict[bytes, PeerInfo] = {}
+
+    @property
+    def address(self) -> str:
+        return f"tcp://{self.host}:{self.port}"
+
+    # -- LISTENING -> ADMITTED ---------------------------------------------------------------------------
+    def admit(self) -> list[PeerInfo]:
+        """Wait for every expected peer's hello; return them in global-rank order."""
+        deadline = time.monotonic() + self.timeout
+        while not self._complete():
+            identity, message = self._receive(deadline, waiting_for=self._missing)
+            if message.kind != HELLO:
+                self._refuse(identity, f"expected a hello, received {message.kind!r}")
+            self._admit_one(identity, message)
+        return sorted(self.peers.values(), key=lambda p: self.global_rank(p))
+
+    def _admit_one(self, identity: bytes, message: Message) -> None:
+        f = message.fields
+        try:
+            role = str(f["role"])
+            group, local_rank, local_size = int(f["group"]), int(f["local_rank"]), int(f["local_size"])
+        except (KeyError, TypeError, ValueError):
+            self._refuse(identity, f"hello lacks role/group/local_rank/local_size: {sorted(f)}")
+        info = PeerInfo(identity, role, group, local_rank, local_size, dict(f), message.payload)
+        problem = self._unexpected(info)
+        if problem:
+            self._refuse(identity, f"{info.name}: {problem}")
+        self.peers[identity] = info
+
+    def _unexpected(self, p: PeerInfo) -> str | None:
+        if p.role == TRAINER:
+            if p.local_size != self.trainer_world:
+                return f"trainer world size {p.local_size}, expected {self.trainer_world}"
+            if not 0 <= p.local_rank < self.trainer_world or p.group != 0:
+                return f"trainer rank {p.local_rank} outside 0..{self.trainer_world - 1}"
+        elif p.role == ROLLOUT:
+            if not 0 <= p.group < self.engines:
+                return f"engine index {p.group} outside 0..{self.engines - 1}"
+            sizes = {q.local_size for q in self.peers.values() if q.role == ROLLOUT and q.group == p.group}
+            if sizes and p.local_size not in sizes:
+                return f"engine size {p.local_size}, its other workers said {sizes.pop()}"
+            if not 0 <= p.local_rank < p.local_size:
+                return f"worker rank {p.local_rank} outside 0..{p.local_size - 1}"
+        else:
+            return f"unknown role {p.role!r}"
+        if any(
+            (q.role, q.group, q.local_rank) == (p.role, p.group, p.local_rank) for q in self.peers.values()
+        ):
+            return "joined twice"
+        return None
+
+    def _engine_sizes(self) -> dict[int, int]:
+        return {p.group: p.local_size for p in self.peers.values() if p.role == ROLLOUT}
+
+    def _missing(self) -> list[str]:
+        have = {(p.role, p.group, p.local_rank) for p in self.peers.values()}
+        missing = [f"trainer rank {r}" for r in range(self.trainer_world) if (TRAINER, 0, r) not in have]
+        sizes = self._engine_sizes()
+        for e in range(self.engines):
+            if e not in sizes:
+                missing.append(f"engine {e} (no worker yet)")
+                continue
+            missing += [f"engine {e} worker {w}" for w in range(sizes[e]) if (ROLLOUT, e, w) not in have]
+        return missing
+
+    def _complete(self) -> bool:
+        return not self._missing()
+
+    def global_rank(self, peer: PeerInfo) -> int:
+        if peer.role == TRAINER:
+            return peer.local_rank
+        sizes = self._engine_sizes()
+        return self.trainer_world + sum(sizes[e] for e in range(peer.group)) + peer.local_rank
+
+    @property
+    def world_size(self) -> int:
+        return self.trainer_world + sum(self._engine_sizes().values())
+
+    # -- ADMITTED -> WELCOMED -> DONE ----------------------------------------------------------------------
+    def welcome(self, replies: Mapping[bytes, tuple[dict[str, Any], bytes]]) -> None:
+        """Send each admitted peer its welcome (fields and payload), then wait until every peer is ready."""
+        for identity in self.peers:
+            fields, payload = replies[identity]
+            self._send(identity, Message(WELCOME, self._token, dict(fields), payload))
+        deadline = time.monotonic() + self.timeout
+        ready: set[bytes] = set()
+
+        def not_ready() -> list[str]:
+            return [p.name for i, p in self.peers.items() if i not in ready]
+
+        while len(ready) < len(self.peers):
+            identity, message = self._receive(deadline, waiting_for=not_ready)
+            if identity not in self.peers:
+                self._refuse(identity, "the handshake is closed: every expected peer was already admitted")
+            if message.kind == ABORT:
+                reason = message.fields.get("reason", "")
+                self.abort(f"{self.peers[identity].name} failed: {reason}")
+                raise HandshakeError(f"{self.peers[identity].name} failed to join the sync group: {reason}")
+            if message.kind != READY:
+                self._refuse(identity, f"expected ready, received {message.kind!r}")
+            ready.add(identity)
+
+    def abort(self, reason: str) -> None:
+        """Tell every admitted peer that the handshake failed (best effort, never blocks)."""
+        for identity in self.peers:
+            with contextlib.suppress(zmq.ZMQError):
+                self._send(identity, Message(ABORT, self._token, {"reason": reason}), block=False)
+
+    def close(self) -> None:
+        self._sock.close(linger=200)
+
+    # -- plumbing -------------------------------------------------------------------------------------------
+    def _receive(self, deadline: float, waiting_for: Any) -> tuple[bytes, Message]:
+        """Next valid message; refuses (and raises on) a bad token or another version."""
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or not self._sock.poll(int(left * 1000)):
+                missing = ", ".join(waiting_for())
+                self.abort(f"handshake timed out after {self.timeout:.0f} s waiting for {missing}")
+                raise SyncTimeoutError(
+                    f"handshake timed out after {self.timeout:.0f} s waiting for {missing}"
+                )
+            identity, *frames = self._sock.recv_multipart()
+            try:
+                message = decode(frames)
+            except WireFormatError as exc:
+                self._refuse(identity, str(exc))
+            if not hmac.compare_digest(message.token.encode(), self._token.encode()):
+                self._refuse(identity, "wrong token: the peer's token does not match the coordinator's")
+            return identity, message
+
+    def _refuse(self, identity: bytes, reason: str) -> Any:
+        """Reply REFUSED to the offender, ABORT to the admitted peers, and raise HandshakeError."""
+        with contextlib.suppress(zmq.ZMQError):
+            self._send(identity, Message(REFUSED, "", {"reason": reason}), block=False)
+        self.abort(f"the handshake refused a peer: {reason}")
+        raise HandshakeError(f"refused a peer: {reason}")
+
+    def _send(self, identity: bytes, message: Message, block: bool = True) -> None:
+        self._sock.send_multipart([identity, *encode(message)], flags=0 if block else zmq.NOBLOCK)
+
+
+def tokens_equal(a: str, b: str) -> bool:
+    return hmac.compare_digest(a.encode(), b.encode())
