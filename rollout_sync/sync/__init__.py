@@ -1,0 +1,1 @@
+"""The product glue: the trainer hook and the rollout worker's session, joined by the handshake."""
