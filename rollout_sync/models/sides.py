@@ -1,0 +1,255 @@
+"""Every map of a model, from shapes alone, for each side: ``trainer_maps`` (DeepSpeed sources) and
+``vllm_target_maps`` (vLLM targets). The plan benchmark and the dry-run simulator call these; the live
+adapters must produce identical maps.
+
+Global-rank numbering of the sync group:
+
+- trainer ranks first, ``0 .. T-1`` with ``T = dp · tp``. Within the trainer ``rank = dp_rank · tp +
+  tp_rank`` (DeepSpeed 0.19.8 ``utils/groups.py: _init_tp_mesh_device`` builds a ``(data_parallel,
+  tensor_parallel)`` mesh: TP groups are consecutive ranks, DP groups are strided by ``tp``), unless a
+  ``rank_table[tp_rank][dp_rank]`` is given. With AutoEP (``ep > 1``, ``tp == 1``) DeepSpeed's legacy
+  expert groups apply (``_create_expert_and_data_parallel``): EP groups are consecutive ranks, ``ep_rank =
+  rank % ep``, expert-data-parallel rank ``rank // ep``;
+- rollout ranks after, engine by engine: worker ``w`` (its TP rank) of engine ``k`` is
+  ``first_rank + k · tp + w``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from math import prod
+
+from ..errors import LayoutError, UnsupportedLayoutError
+from ..layout.builders import (
+    autotp_shard_sizes,
+    replicated_layout,
+    replicated_map,
+    split_layout,
+    tp_zero_map,
+    vllm_column_map,
+    vllm_expert_map,
+    vllm_gate_up_part_map,
+    vllm_qkv_part_map,
+    vllm_replicated_map,
+    vllm_row_map,
+    vllm_vocab_map,
+    zero3_runs,
+)
+from ..layout.maps import TensorMap
+from ..layout.nesting import Layout, Shard, ShardStorage, Whole, nest
+from .tensors import LogicalTensor, ModelTensors
+
+__all__ = ["autotp_layout", "trainer_maps", "trainer_rank_table", "vllm_engine_ranks", "vllm_target_maps"]
+
+_EXPERT_KINDS = ("expert_gate", "expert_up", "expert_down")
+
+
+def trainer_rank_table(dp: int, tp: int) -> tuple[tuple[int, ...], ...]:
+    """``table[tp_rank][dp_rank] = dp_rank · tp + tp_rank`` (DeepSpeed's AutoTP mesh)."""
+    if dp <= 0 or tp <= 0:
+        raise LayoutError("bad trainer sizes", expected="dp > 0 and tp > 0", found=(dp, tp))
+    return tuple(tuple(d * tp + t for d in range(dp)) for t in range(tp))
+
+
+def vllm_engine_ranks(engines: int, tp: int, first_rank: int) -> tuple[tuple[int, ...], ...]:
+    """Per engine, its workers' global ranks in TP-rank order."""
+    if engines <= 0 or tp <= 0 or first_rank < 0:
+        raise LayoutError(
+            "bad rollout sizes",
+            expected="engines > 0, tp > 0, first_rank >= 0",
+            found=(engines, tp, first_rank),
+        )
+    return tuple(tuple(first_rank + k * tp + w for w in range(tp)) for k in range(engines))
+
+
+def autotp_layout(t: LogicalTensor, tp: int, num_kv_heads: int | None, grain: int = 1) -> Layout:
+    """DeepSpeed AutoTP's layout of one logical tensor over ``tp`` TP ranks (training mode, HF tp_plan):
+    ``q``/``k``/``v``/``gate``/``up``/``column`` and ``lm_head`` split along rows, ``row`` along the last
+    dim, with ``autotp_shard_sizes``; ``embed_tokens``, norms and other ``replicated`` tensors whole on
+    every TP rank. Measured on tiny Qwen3 (notes/deepspeed-on-cpu.md §3); for MLA models the same kind rule
+    is applied without a live check."""
+    if tp == 1 or t.buffer:
+        return replicated_layout(t.name, t.shape, tp)
+    module = t.name.rsplit(".", 1)[0]
+    if t.kind in ("q", "k", "v", "gate", "up", "column") or (t.kind == "vocab" and module == "lm_head"):
+        dim = 0
+    elif t.kind == "row" and len(t.shape) >= 2:
+        dim = len(t.shape) - 1
+    elif t.kind in ("replicated", "vocab", "row"):
+        return replicated_layout(t.name, t.shape, tp)
+    else:
+        raise UnsupportedLayoutError(
+            "AutoTP layout of this kind is not known (DeepSpeed AutoTP does not partition MoE experts)",
+            tensor=t.name,
+            found=t.kind,
+        )
+    return split_layout(
+        t.name, t.shape, dim, autotp_shard_sizes(t.shape[dim], tp, module, num_kv_heads, grain)
+    )
+
+
+def trainer_maps(
+    model: ModelTensors,
+    zero_stage: int,
+    dp: int,
+    tp: int = 1,
+    ep: int = 1,
+    dtype: str = "bfloat16",
+    *,
+    rank_table: Sequence[Sequence[int]] | None = None,
+    alignment: int = 1,
+    tp_grain: int = 1,
+) -> list[TensorMap]:
+    """Source maps of every logical tensor of ``model`` held by a DeepSpeed engine of ``dp × tp`` ranks.
+
+    Dense tensors: AutoTP layout (``autotp_layout``) × ZeRO storage of each TP shard over its DP group
+    (``tp_zero_map``; ZeRO-3 partitions with ``alignment``). Buffers: whole on every rank.
+
+    Experts:
+    - ``ep == 1`` (no AutoEP; ``tp`` must be 1): transformers' fused ``experts.gate_up_proj [E, 2I, H]`` /
+      ``experts.down_proj [E, H, I]``. ZeRO-0/1/2: every DP rank holds the N-D views ``gate_up_proj[e, :I]``
+      (gate), ``gate_up_proj[e, I:]`` (up), ``down_proj[e]`` (down). ZeRO-3: the fused parameter's
+      flattening is partitioned over the DP ranks; expert ``e``'s gate is its range ``[e·2IH, e·2IH +
+      IH)``, up ``[e·2IH + IH, (e+1)·2IH)``, down ``[e·HI, (e+1)·HI)`` (``zero3_runs`` with ``base``).
+    - ``ep > 1`` (AutoEP, ``tp == 1``, ``E % ep == 0``): EP rank ``k`` holds experts ``[k·E/ep,
+      (k+1)·E/ep)`` packed as ``w1`` (gate) / ``w3`` (up) ``[E/ep, I, H]`` and ``w2`` (down) ``[E/ep, H,
+      I]``; local index ``l = e − k·E/ep``. ZeRO-0/1/2: every expert-DP replica holds ``w1[l]`` etc.
+      ZeRO-3: the packed parameter is partitioned over the ``dp/ep`` expert-DP ranks; expert ``l`` is the
+      range ``[l·IH, (l+1)·IH)``.
+    """
+    if zero_stage not in (0, 1, 2, 3):
+        raise LayoutError("unknown ZeRO stage", expected="0, 1, 2 or 3", found=zero_stage)
+    table = tuple(tuple(r) for r in rank_table) if rank_table is not None else trainer_rank_table(dp, tp)
+    if len(table) != tp or any(len(r) != dp for r in table):
+        raise LayoutError(
+            "rank table is not tp × dp", expected=(tp, dp), found=(len(table), [len(r) for r in table])
+        )
+    world = tuple(sorted(r for row in table for r in row))
+    has_experts = any(t.kind in _EXPERT_KINDS for t in model.tensors)
+    if has_experts and tp > 1:
+        raise UnsupportedLayoutError(
+            "AutoTP with MoE experts (DeepSpeed 0.19.8 refuses the experts' tp_plan styles)",
+            tensor=model.model_type,
+            expected="tp == 1",
+            found=tp,
+        )
+    if ep > 1 and (dp % ep or model.num_experts % ep):
+        raise LayoutError(
+            "AutoEP needs ep to divide dp and the expert count",
+            tensor=model.model_type,
+            expected=f"divisors of dp={dp} and E={model.num_experts}",
+            found=ep,
+        )
+    maps: list[TensorMap] = []
+    for t in model.tensors:
+        tdtype = t.dtype or dtype
+        if t.buffer:
+            maps.append(replicated_map(t.name, t.shape, tdtype, world))
+        elif t.kind in _EXPERT_KINDS:
+            maps.append(_trainer_expert(t, model, zero_stage, table, ep, tdtype, alignment))
+        else:
+            layout = autotp_layout(t, tp, model.num_kv_heads, tp_grain)
+            maps.append(tp_zero_map(layout, tdtype, zero_stage, table, alignment))
+    return maps
+
+
+def _trainer_expert(
+    t: LogicalTensor,
+    model: ModelTensors,
+    zero_stage: int,
+    table: tuple[tuple[int, ...], ...],
+    ep: int,
+    dtype: str,
+    alignment: int,
+) -> TensorMap:
+    dp_ranks = table[0]  # tp == 1
+    e = t.expert if t.expert is not None else 0
+    numel = prod(t.shape)
+    whole = Shard.of_box((0,) * len(t.shape), t.shape)
+    if ep == 1:
+        layout = Layout(t.name, t.shape, {0: whole})
+        if zero_stage != 3:
+            return nest(layout, {0: Whole(dp_ranks)}, dtype=dtype)
+        if t.kind == "expert_down":
+            base, param = e * numel, model.num_experts * numel
+        else:
+            base = e * 2 * numel + (numel if t.kind == "expert_up" else 0)
+            param = model.num_experts * 2 * numel
+        return nest(
+            layout, {0: zero3_runs(dp_ranks, numel, alignment, param_numel=param, base=base)}, dtype=dtype
+        )
+    local = model.num_experts // ep
+    ep_rank, idx = divmod(e, local)
+    edp_ranks = tuple(r for r in dp_ranks if dp_ranks.index(r) % ep == ep_rank)
+    layout = Layout(t.name, t.shape, {ep_rank: whole})
+    storage: ShardStorage
+    if zero_stage != 3:
+        storage = Whole(edp_ranks)
+    else:
+        storage = zero3_runs(edp_ranks, numel, alignment, param_numel=local * numel, base=idx * numel)
+    return nest(layout, {ep_rank: storage}, dtype=dtype)
+
+
+def vllm_target_maps(
+    model: ModelTensors,
+    engines: int,
+    tp: int,
+    ep: int = 1,
+    first_rank: int = 0,
+    dtype: str = "bfloat16",
+    *,
+    placement: str = "linear",
+    vocab_padding: int = 64,
+) -> list[TensorMap]:
+    """Target maps of every logical tensor of ``model`` over ``engines`` vLLM engines of ``tp`` workers
+    each, the first worker at global rank ``first_rank``. ``ep`` is 1 (experts split along I by TP) or
+    ``tp`` (``enable_expert_parallel``: experts placed over the engine's workers by ``placement``). Storage
+    views: see ``rollout_sync.layout.builders``."""
+    if ep not in (1, tp):
+        raise UnsupportedLayoutError(
+            "vLLM expert parallelism within an engine spans its TP ranks",
+            expected=f"ep in (1, {tp})",
+            found=ep,
+        )
+    engine_ranks = vllm_engine_ranks(engines, tp, first_rank)
+    maps: list[TensorMap] = []
+    for t in model.tensors:
+        tdtype = t.dtype or dtype
+        kind = t.kind
+        if kind in ("q", "k", "v"):
+            m = vllm_qkv_part_map(
+                t.name,
+                t.shape,
+                tdtype,
+                kind,
+                model.num_heads,
+                model.num_kv_heads,
+                model.head_dim,
+                engine_ranks,
+            )
+        elif kind in ("gate", "up"):
+            m = vllm_gate_up_part_map(t.name, t.shape, tdtype, engine_ranks)
+        elif kind == "column":
+            m = vllm_column_map(t.name, t.shape, tdtype, engine_ranks)
+        elif kind == "row":
+            m = vllm_row_map(t.name, t.shape, tdtype, engine_ranks)
+        elif kind == "vocab":
+            m = vllm_vocab_map(t.name, t.shape, tdtype, engine_ranks, vocab_padding)
+        elif kind == "replicated":
+            m = vllm_replicated_map(t.name, t.shape, tdtype, engine_ranks)
+        elif kind in _EXPERT_KINDS:
+            m = vllm_expert_map(
+                t.name,
+                t.shape,
+                tdtype,
+                kind[len("expert_") :],
+                t.expert if t.expert is not None else 0,
+                model.num_experts,
+                engine_ranks,
+                expert_parallel=ep > 1,
+                placement=placement,
+            )
+        else:
+            raise LayoutError("unknown tensor kind", tensor=t.name, found=kind)
+        maps.append(m)
+    return maps
