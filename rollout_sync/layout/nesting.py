@@ -145,6 +145,7 @@ def nest(layout: Layout, storages: Mapping[int, ShardStorage], *, dtype: str) ->
             found=sorted(storages),
         )
     per_rank: dict[int, tuple[tuple[int, ...], list[_Entry]]] = {}
+    run_cache: dict[tuple[int, int, int], list[_Entry]] = {}
     for layout_rank, shard in layout.shards.items():
         _check_shard(name, shape, layout_rank, shard)
         storage = storages[layout_rank]
@@ -163,7 +164,11 @@ def nest(layout: Layout, storages: Mapping[int, ShardStorage], *, dtype: str) ->
                         expected=f"0 <= start <= stop <= {numel} (shard {shard.shape} of layout rank {layout_rank})",
                         found=f"[{run.start}, {run.stop})",
                     )
-                entries = _run_entries(shard, run.start, run.stop)
+                key = (id(shard), run.start, run.stop)
+                cached = run_cache.get(key)  # replicated shards: the same shard object, the same runs
+                if cached is None:
+                    cached = run_cache[key] = _run_entries(shard, run.start, run.stop)
+                entries = cached
                 _claim(per_rank, name, run.rank, layout_rank, (run.stop - run.start,), entries)
         else:
             raise LayoutError(
@@ -261,24 +266,30 @@ def _run_entries(shard: Shard, start: int, stop: int) -> list[_Entry]:
     if start == stop:
         return []
     shard_shape = shard.shape
-    sboxes = flat_run_boxes(shard_shape, start, stop)
+    sboxes = _run_boxes(shard_shape, start, stop)
     blocks = shard.blocks
     entries: list[_Entry] = []
     if len(blocks) == 1 and blocks[0].extent == shard_shape:
-        # One block covers the shard: translate each run box.
+        # One block covers the shard: translate each run box by the block's logical origin.
         lo = blocks[0].logical_origin
         pos = 0
-        for b in sboxes:
-            ext = b.extent
+        if len(shard_shape) == 2:
+            l0, l1 = lo
+            for (o0, o1), ext in sboxes:
+                e1 = ext[1]
+                entries.append(((o0 + l0, o1 + l1), ext, pos, (e1, 1)))
+                pos += ext[0] * e1
+            return entries
+        for origin, ext in sboxes:
             entries.append(
-                (tuple(o + g for o, g in zip(b.origin, lo, strict=True)), ext, pos, row_major_strides(ext))
+                (tuple(o + g for o, g in zip(origin, lo, strict=True)), ext, pos, row_major_strides(ext))
             )
             pos += prod(ext)
         return entries
     sstrides = row_major_strides(shard_shape)
-    for b in sboxes:
+    for b_origin, b_extent in sboxes:
         for block in blocks:
-            sub = _intersect(b.origin, b.extent, block.shard_origin, block.extent)
+            sub = _intersect(b_origin, b_extent, block.shard_origin, block.extent)
             if sub is None:
                 continue
             for origin, extent in _dense_parts(sub[0], sub[1], shard_shape):
@@ -292,6 +303,32 @@ def _run_entries(shard: Shard, start: int, stop: int) -> list[_Entry]:
                 entries.append((logical, extent, flat - start, row_major_strides(extent)))
     entries.sort(key=lambda e: e[2])
     return entries
+
+
+_Span = tuple[tuple[int, ...], tuple[int, ...]]
+
+
+def _run_boxes(shape: tuple[int, ...], start: int, stop: int) -> list[_Span]:
+    """``flat_run_boxes`` on plain tuples (same boxes, same order; a hot loop of every ZeRO-3 map)."""
+    ndim = len(shape)
+    if ndim == 1:
+        return [((start,), (stop - start,))]
+    if ndim == 2:
+        cols = shape[1]
+        r0, c0 = divmod(start, cols)
+        r1, c1 = divmod(stop, cols)
+        if r0 == r1:
+            return [((r0, c0), (1, c1 - c0))]
+        out: list[_Span] = []
+        if c0:
+            out.append(((r0, c0), (1, cols - c0)))
+            r0 += 1
+        if r1 > r0:
+            out.append(((r0, 0), (r1 - r0, cols)))
+        if c1:
+            out.append(((r1, 0), (1, c1)))
+        return out
+    return [(b.origin, b.extent) for b in flat_run_boxes(shape, start, stop)]
 
 
 def _intersect(
@@ -334,10 +371,10 @@ def _assemble(
     dtype: str,
     per_rank: dict[int, tuple[tuple[int, ...], list[_Entry]]],
 ) -> TensorMap:
-    holders: dict[tuple[tuple[int, ...], tuple[int, ...]], list[int]] = {}
+    holders: dict[_Span, list[int]] = {}
     for rank, (_, entries) in per_rank.items():
-        for origin, extent, _, _ in entries:
-            key = (origin, extent)
+        for entry in entries:
+            key = (entry[0], entry[1])
             got = holders.get(key)
             if got is None:
                 holders[key] = [rank]
@@ -362,10 +399,8 @@ def _assemble(
             expected=f"{numel} elements of {shape}",
             found=f"{covered} elements covered",
         )
-    boxes: dict[tuple[tuple[int, ...], tuple[int, ...]], tuple[Box, tuple[int, ...]]] = {
-        key: (Box(key[0], key[1]), tuple(sorted(ranks))) for key, ranks in holders.items()
-    }
-    piece_cache: dict[tuple[tuple[int, ...], tuple[int, ...], int, tuple[int, ...]], Piece] = {}
+    boxes = {key: (Box(key[0], key[1]), tuple(sorted(ranks))) for key, ranks in holders.items()}
+    piece_cache: dict[_Entry, Piece] = {}
     ranks: dict[int, RankStorage] = {}
     for rank in sorted(per_rank):
         storage_shape, entries = per_rank[rank]
@@ -374,8 +409,7 @@ def _assemble(
             piece = piece_cache.get(entry)
             if piece is None:
                 box, held_by = boxes[(entry[0], entry[1])]
-                piece = Piece(box, entry[2], entry[3], held_by)
-                piece_cache[entry] = piece
+                piece = piece_cache[entry] = Piece(box, entry[2], entry[3], held_by)
             pieces.append(piece)
         ranks[rank] = RankStorage(storage_shape, tuple(pieces))
     return TensorMap(name, shape, dtype, ranks)

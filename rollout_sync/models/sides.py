@@ -68,24 +68,42 @@ def autotp_layout(t: LogicalTensor, tp: int, num_kv_heads: int | None, grain: in
     dim, with ``autotp_shard_sizes``; ``embed_tokens``, norms and other ``replicated`` tensors whole on
     every TP rank. Measured on tiny Qwen3 (notes/deepspeed-on-cpu.md §3); for MLA models the same kind rule
     is applied without a live check."""
-    if tp == 1 or t.buffer:
+    split = _autotp_split(t, tp, num_kv_heads, grain)
+    if split is None:
         return replicated_layout(t.name, t.shape, tp)
+    return split_layout(t.name, t.shape, split[0], split[1])
+
+
+def _autotp_split(
+    t: LogicalTensor, tp: int, num_kv_heads: int | None, grain: int
+) -> tuple[int, tuple[int, ...]] | None:
+    """``(dim, sizes)`` of AutoTP's split of ``t``, or None where every TP rank holds it whole."""
+    if tp == 1 or t.buffer:
+        return None
     module = t.name.rsplit(".", 1)[0]
     if t.kind in ("q", "k", "v", "gate", "up", "column") or (t.kind == "vocab" and module == "lm_head"):
         dim = 0
     elif t.kind == "row" and len(t.shape) >= 2:
         dim = len(t.shape) - 1
     elif t.kind in ("replicated", "vocab", "row"):
-        return replicated_layout(t.name, t.shape, tp)
+        return None
     else:
         raise UnsupportedLayoutError(
             "AutoTP layout of this kind is not known (DeepSpeed AutoTP does not partition MoE experts)",
             tensor=t.name,
             found=t.kind,
         )
-    return split_layout(
-        t.name, t.shape, dim, autotp_shard_sizes(t.shape[dim], tp, module, num_kv_heads, grain)
-    )
+    return dim, autotp_shard_sizes(t.shape[dim], tp, module, num_kv_heads, grain)
+
+
+def _reused(cache: dict[object, TensorMap], key: object, t: LogicalTensor, dtype: str) -> TensorMap | None:
+    """Maps of tensors with the same layout facts differ only by name: the first is built, later ones
+    reuse its (immutable) storages and pieces under a fresh ``ranks`` dict. Keeps whole-model builds cheap
+    (the 36 layers of Qwen3-8B, the 61 layers of Kimi-K2 share their structures)."""
+    got = cache.get(key)
+    if got is None:
+        return None
+    return TensorMap(t.name, t.shape, dtype, dict(got.ranks))
 
 
 def trainer_maps(
@@ -141,15 +159,33 @@ def trainer_maps(
             found=ep,
         )
     maps: list[TensorMap] = []
+    cache: dict[object, TensorMap] = {}  # see _reused
     for t in model.tensors:
         tdtype = t.dtype or dtype
+        split = None
+        key: object
         if t.buffer:
-            maps.append(replicated_map(t.name, t.shape, tdtype, world))
+            key = ("buffer", t.shape, tdtype)
         elif t.kind in _EXPERT_KINDS:
-            maps.append(_trainer_expert(t, model, zero_stage, table, ep, tdtype, alignment))
+            key = (t.kind, t.expert, t.shape, tdtype)
         else:
-            layout = autotp_layout(t, tp, model.num_kv_heads, tp_grain)
-            maps.append(tp_zero_map(layout, tdtype, zero_stage, table, alignment))
+            split = _autotp_split(t, tp, model.num_kv_heads, tp_grain)
+            key = ("dense", t.shape, tdtype, split)
+        m = _reused(cache, key, t, tdtype)
+        if m is None:
+            if t.buffer:
+                m = replicated_map(t.name, t.shape, tdtype, world)
+            elif t.kind in _EXPERT_KINDS:
+                m = _trainer_expert(t, model, zero_stage, table, ep, tdtype, alignment)
+            else:
+                layout = (
+                    replicated_layout(t.name, t.shape, tp)
+                    if split is None
+                    else split_layout(t.name, t.shape, split[0], split[1])
+                )
+                m = tp_zero_map(layout, tdtype, zero_stage, table, alignment)
+            cache[key] = m
+        maps.append(m)
     return maps
 
 
@@ -213,43 +249,60 @@ def vllm_target_maps(
         )
     engine_ranks = vllm_engine_ranks(engines, tp, first_rank)
     maps: list[TensorMap] = []
+    cache: dict[object, TensorMap] = {}  # see _reused
     for t in model.tensors:
         tdtype = t.dtype or dtype
-        kind = t.kind
-        if kind in ("q", "k", "v"):
-            m = vllm_qkv_part_map(
-                t.name,
-                t.shape,
-                tdtype,
-                kind,
-                model.num_heads,
-                model.num_kv_heads,
-                model.head_dim,
-                engine_ranks,
-            )
-        elif kind in ("gate", "up"):
-            m = vllm_gate_up_part_map(t.name, t.shape, tdtype, engine_ranks)
-        elif kind == "column":
-            m = vllm_column_map(t.name, t.shape, tdtype, engine_ranks)
-        elif kind == "row":
-            m = vllm_row_map(t.name, t.shape, tdtype, engine_ranks)
-        elif kind == "vocab":
-            m = vllm_vocab_map(t.name, t.shape, tdtype, engine_ranks, vocab_padding)
-        elif kind == "replicated":
-            m = vllm_replicated_map(t.name, t.shape, tdtype, engine_ranks)
-        elif kind in _EXPERT_KINDS:
-            m = vllm_expert_map(
-                t.name,
-                t.shape,
-                tdtype,
-                kind[len("expert_") :],
-                t.expert if t.expert is not None else 0,
-                model.num_experts,
-                engine_ranks,
-                expert_parallel=ep > 1,
-                placement=placement,
-            )
-        else:
-            raise LayoutError("unknown tensor kind", tensor=t.name, found=kind)
+        key = (t.kind, t.shape, tdtype, t.expert if t.kind in _EXPERT_KINDS else None)
+        m = _reused(cache, key, t, tdtype)
+        if m is None:
+            m = cache[key] = _vllm_map(t, model, tdtype, engine_ranks, ep, placement, vocab_padding)
         maps.append(m)
     return maps
+
+
+def _vllm_map(
+    t: LogicalTensor,
+    model: ModelTensors,
+    tdtype: str,
+    engine_ranks: tuple[tuple[int, ...], ...],
+    ep: int,
+    placement: str,
+    vocab_padding: int,
+) -> TensorMap:
+    kind = t.kind
+    if kind in ("q", "k", "v"):
+        m = vllm_qkv_part_map(
+            t.name,
+            t.shape,
+            tdtype,
+            kind,
+            model.num_heads,
+            model.num_kv_heads,
+            model.head_dim,
+            engine_ranks,
+        )
+    elif kind in ("gate", "up"):
+        m = vllm_gate_up_part_map(t.name, t.shape, tdtype, engine_ranks)
+    elif kind == "column":
+        m = vllm_column_map(t.name, t.shape, tdtype, engine_ranks)
+    elif kind == "row":
+        m = vllm_row_map(t.name, t.shape, tdtype, engine_ranks)
+    elif kind == "vocab":
+        m = vllm_vocab_map(t.name, t.shape, tdtype, engine_ranks, vocab_padding)
+    elif kind == "replicated":
+        m = vllm_replicated_map(t.name, t.shape, tdtype, engine_ranks)
+    elif kind in _EXPERT_KINDS:
+        m = vllm_expert_map(
+            t.name,
+            t.shape,
+            tdtype,
+            kind[len("expert_") :],
+            t.expert if t.expert is not None else 0,
+            model.num_experts,
+            engine_ranks,
+            expert_parallel=ep > 1,
+            placement=placement,
+        )
+    else:
+        raise LayoutError("unknown tensor kind", tensor=t.name, found=kind)
+    return m
