@@ -310,6 +310,8 @@ _Span = tuple[tuple[int, ...], tuple[int, ...]]
 
 def _run_boxes(shape: tuple[int, ...], start: int, stop: int) -> list[_Span]:
     """``flat_run_boxes`` on plain tuples (same boxes, same order; a hot loop of every ZeRO-3 map)."""
+    if start == stop:
+        return []
     ndim = len(shape)
     if ndim == 1:
         return [((start,), (stop - start,))]
