@@ -21,7 +21,9 @@ def flat_run_boxes(shape: tuple[int, ...], start: int, stop: int) -> list[Box]:
     """
     total = prod(shape)
     if not 0 <= start <= stop <= total:
-        raise ValueError(f"flat run [{start}, {stop}) is not inside a tensor of shape {shape} ({total} elements)")
+        raise ValueError(
+            f"flat run [{start}, {stop}) is not inside a tensor of shape {shape} ({total} elements)"
+        )
     if start == stop:
         return []
     ndim = len(shape)
@@ -32,7 +34,12 @@ def flat_run_boxes(shape: tuple[int, ...], start: int, stop: int) -> list[Box]:
 
 
 def _run(
-    shape: tuple[int, ...], strides: tuple[int, ...], axis: int, prefix: tuple[int, ...], start: int, stop: int
+    shape: tuple[int, ...],
+    strides: tuple[int, ...],
+    axis: int,
+    prefix: tuple[int, ...],
+    start: int,
+    stop: int,
 ) -> list[Box]:
     """Boxes of the flat run [start, stop) inside the sub-block fixed by ``prefix`` (coordinates of the
     leading axes, each with extent 1); start and stop are relative to that sub-block's first element."""

@@ -5,13 +5,31 @@ are ``torch.as_strided`` arguments (offset, strides) relative to the storage vie
 entry in ``Plan.tensors``; ``extent`` is the box's shape, shared by both sides. A **plan** holds all
 segments of a model, sorted deterministically; a rank's **half** is the segments it sends plus those it
 receives.
+
+A ``Plan`` stores its segments columnar (one ``array('q')`` of fixed-width integer records per tensor) so
+that plans of millions of segments stay small; ``segments``, ``tensor_segments`` and ``half`` hand out
+``Segment`` objects, and ``records`` gives the raw integers for code that wants to avoid the objects.
+Record layout for a tensor of ndim ``n`` (width ``4 + 3n``)::
+
+    source_rank, source_offset, target_rank, target_offset, source_strides[n], target_strides[n], extent[n]
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from array import array
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from math import prod
+from types import MappingProxyType
+
+from ..errors import (
+    LayoutError,
+    OutOfBoundsError,
+    PlanMismatchError,
+    ShapeMismatchError,
+    UnsupportedLayoutError,
+)
+from ..layout.dtypes import ITEMSIZE
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,6 +42,28 @@ class Segment:
     target_offset: int
     target_strides: tuple[int, ...]
     extent: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        n = len(self.extent)
+        if len(self.source_strides) != n or len(self.target_strides) != n:
+            raise ShapeMismatchError(
+                "a segment's strides and extent differ in length",
+                expected=n,
+                found=(self.source_strides, self.target_strides),
+            )
+        if (
+            min(self.extent, default=1) < 1
+            or self.source_offset < 0
+            or self.target_offset < 0
+            or min(self.source_strides, default=0) < 0
+            or min(self.target_strides, default=0) < 0
+            or self.tensor < 0
+            or self.source_rank < 0
+            or self.target_rank < 0
+        ):
+            raise LayoutError(
+                "a segment needs a non-empty extent and non-negative ranks, offsets and strides", found=self
+            )
 
     @property
     def numel(self) -> int:
@@ -40,6 +80,24 @@ class PlannedTensor:
     target_dtype: str
     source_storage: Mapping[int, tuple[int, ...]]  # global rank -> storage shape
     target_storage: Mapping[int, tuple[int, ...]]
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise LayoutError("a planned tensor needs a name", found=self.name)
+        for dtype in (self.source_dtype, self.target_dtype):
+            if dtype not in ITEMSIZE:
+                raise UnsupportedLayoutError("unknown storage dtype", tensor=self.name, found=dtype)
+        for which in ("source_storage", "target_storage"):
+            table = getattr(self, which)
+            if not isinstance(table, MappingProxyType):
+                for rank, shape in table.items():
+                    if type(rank) is not int or rank < 0 or not isinstance(shape, tuple):
+                        raise LayoutError(
+                            f"{which} maps global ranks to storage shapes",
+                            tensor=self.name,
+                            found=(rank, shape),
+                        )
+                object.__setattr__(self, which, MappingProxyType(dict(sorted(table.items()))))
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,3 +116,272 @@ class PlanHalf:
     sends: tuple[Segment, ...]
     receives: tuple[Segment, ...]
     local: tuple[Segment, ...]
+
+
+def record_width(ndim: int) -> int:
+    return 4 + 3 * ndim
+
+
+class Plan:
+    """All segments of a model's sync: ``tensors`` (the tensor table), ``segments`` (sorted by tensor,
+    then target rank, target offset, source rank, source offset), ``digest`` (sha256 hex of the canonical
+    wire bytes) and ``half(rank)``.
+
+    ``Plan(tensors, segments)`` validates every segment against the tensor table (ranks present, views
+    inside their storages) and sorts them; ``Plan.from_records`` takes the columnar form directly.
+    Immutable.
+    """
+
+    __slots__ = ("_digest", "_index", "_records", "_segments", "_tensors")
+
+    def __init__(self, tensors: Sequence[PlannedTensor], segments: Iterable[Segment]) -> None:
+        tensors = tuple(tensors)
+        rows: list[list[tuple[int, ...]]] = [[] for _ in tensors]
+        for s in segments:
+            if not 0 <= s.tensor < len(tensors):
+                raise PlanMismatchError(f"segment {s} names tensor {s.tensor}, the plan has {len(tensors)}")
+            rows[s.tensor].append(
+                (
+                    s.source_rank,
+                    s.source_offset,
+                    s.target_rank,
+                    s.target_offset,
+                    *s.source_strides,
+                    *s.target_strides,
+                    *s.extent,
+                )
+            )
+        records = []
+        for i, r in enumerate(rows):
+            r.sort(key=lambda x: (x[2], x[3], x[0], x[1]))
+            ndim = len(tensors[i].shape)
+            for x in r:
+                if len(x) != record_width(ndim):
+                    raise ShapeMismatchError(
+                        "a segment's ndim differs from its tensor's", tensor=tensors[i].name, expected=ndim
+                    )
+            records.append(array("q", [v for x in r for v in x]))
+        self._init(tensors, tuple(records))
+        self.validate()
+
+    @classmethod
+    def from_records(
+        cls, tensors: Sequence[PlannedTensor], records: Sequence[array], *, validate: bool = True
+    ) -> Plan:
+        """A plan from its columnar form (one ``array('q')`` of records per tensor, in the order the plan
+        keeps). ``validate=False`` is for the planner, whose records are valid by construction."""
+        plan = cls.__new__(cls)
+        plan._init(tuple(tensors), tuple(records))
+        if validate:
+            plan.validate()
+        return plan
+
+    def _init(self, tensors: tuple[PlannedTensor, ...], records: tuple[array, ...]) -> None:
+        if len(records) != len(tensors):
+            raise PlanMismatchError(f"{len(records)} record arrays for {len(tensors)} tensors")
+        self._tensors = tensors
+        self._records = records
+        self._digest: str | None = None
+        self._index: (
+            dict[int, tuple[list[tuple[int, int]], list[tuple[int, int]], list[tuple[int, int]]]] | None
+        )
+        self._index = None
+        self._segments: tuple[Segment, ...] | None = None
+
+    def validate(self) -> None:
+        """Check every record: its ranks are in the tensor's storage tables and both views stay inside
+        their storages (offset + Σ (extent−1)·stride < numel). Raises ``PlanMismatchError`` /
+        ``OutOfBoundsError`` naming the tensor and rank."""
+        for i, t in enumerate(self._tensors):
+            rec = self._records[i]
+            n = len(t.shape)
+            w = record_width(n)
+            if len(rec) % w:
+                raise PlanMismatchError(
+                    f"tensor {t.name!r}: {len(rec)} integers is not a whole number of records"
+                )
+            snumel = {r: prod(s) for r, s in t.source_storage.items()}
+            tnumel = {r: prod(s) for r, s in t.target_storage.items()}
+            for k in range(0, len(rec), w):
+                x = rec[k : k + w]
+                ext = x[4 + 2 * n :]
+                if min(ext, default=1) < 1 or min(x[1:], default=0) < 0 or x[0] < 0:
+                    raise PlanMismatchError(f"tensor {t.name!r}: segment record {list(x)} has a bad value")
+                for rank, off, strides, table, side in (
+                    (x[0], x[1], x[4 : 4 + n], snumel, "source"),
+                    (x[2], x[3], x[4 + n : 4 + 2 * n], tnumel, "target"),
+                ):
+                    numel = table.get(rank)
+                    if numel is None:
+                        raise PlanMismatchError(
+                            f"tensor {t.name!r}: a segment names {side} rank {rank}, which has no storage"
+                        )
+                    reach = off
+                    for e, s in zip(ext, strides, strict=True):
+                        reach += (e - 1) * s
+                    if reach >= numel:
+                        raise OutOfBoundsError(
+                            f"a segment's {side} view leaves its storage",
+                            tensor=t.name,
+                            rank=rank,
+                            expected=f"last element < {numel}",
+                            found=f"offset {off}, strides {tuple(strides)}, extent {tuple(ext)} reach {reach}",
+                        )
+
+    # ------------------------------------------------------------------ reading
+
+    @property
+    def tensors(self) -> tuple[PlannedTensor, ...]:
+        return self._tensors
+
+    def records(self, tensor: int) -> array:
+        """The raw records of one tensor (see the module docstring). Do not modify."""
+        return self._records[tensor]
+
+    def segment_count(self, tensor: int | None = None) -> int:
+        if tensor is not None:
+            return len(self._records[tensor]) // record_width(len(self._tensors[tensor].shape))
+        return sum(
+            len(r) // record_width(len(t.shape)) for r, t in zip(self._records, self._tensors, strict=True)
+        )
+
+    def __len__(self) -> int:
+        return self.segment_count()
+
+    def _segment(self, i: int, k: int) -> Segment:
+        rec = self._records[i]
+        n = len(self._tensors[i].shape)
+        return Segment(
+            i,
+            rec[k],
+            rec[k + 1],
+            tuple(rec[k + 4 : k + 4 + n]),
+            rec[k + 2],
+            rec[k + 3],
+            tuple(rec[k + 4 + n : k + 4 + 2 * n]),
+            tuple(rec[k + 4 + 2 * n : k + 4 + 3 * n]),
+        )
+
+    def tensor_segments(self, tensor: int) -> tuple[Segment, ...]:
+        w = record_width(len(self._tensors[tensor].shape))
+        return tuple(self._segment(tensor, k) for k in range(0, len(self._records[tensor]), w))
+
+    def iter_segments(self) -> Iterator[Segment]:
+        """Every segment in plan order, made on the fly (no tuple of all segments is kept)."""
+        for i, t in enumerate(self._tensors):
+            w = record_width(len(t.shape))
+            for k in range(0, len(self._records[i]), w):
+                yield self._segment(i, k)
+
+    @property
+    def segments(self) -> tuple[Segment, ...]:
+        """Every segment in plan order (built once, then kept; prefer ``iter_segments`` or ``half`` for very
+        large plans)."""
+        if self._segments is None:
+            self._segments = tuple(self.iter_segments())
+        return self._segments
+
+    @property
+    def digest(self) -> str:
+        """sha256 (hex) of the plan's canonical wire bytes: equal on every rank that holds the same plan."""
+        if self._digest is None:
+            from .wire import plan_digest
+
+            self._digest = plan_digest(self)
+        return self._digest
+
+    def _build_index(
+        self,
+    ) -> dict[int, tuple[list[tuple[int, int]], list[tuple[int, int]], list[tuple[int, int]]]]:
+        index: dict[int, tuple[list[tuple[int, int]], list[tuple[int, int]], list[tuple[int, int]]]] = {}
+        for i, t in enumerate(self._tensors):
+            rec = self._records[i]
+            w = record_width(len(t.shape))
+            for k in range(0, len(rec), w):
+                src = rec[k]
+                tgt = rec[k + 2]
+                if src == tgt:
+                    entry = index.get(src)
+                    if entry is None:
+                        entry = index[src] = ([], [], [])
+                    entry[2].append((i, k))
+                    continue
+                entry = index.get(src)
+                if entry is None:
+                    entry = index[src] = ([], [], [])
+                entry[0].append((i, k))
+                entry = index.get(tgt)
+                if entry is None:
+                    entry = index[tgt] = ([], [], [])
+                entry[1].append((i, k))
+        return index
+
+    def half(self, rank: int) -> PlanHalf:
+        """The segments ``rank`` sends, receives and copies locally, in plan order. The first call indexes
+        the plan by rank once (linear); each half then costs only its own size."""
+        if self._index is None:
+            self._index = self._build_index()
+        sends, receives, local = self._index.get(rank, ([], [], []))
+        seg = self._segment
+        return PlanHalf(
+            rank=rank,
+            digest=self.digest,
+            tensors=self._tensors,
+            sends=tuple(seg(i, k) for i, k in sends),
+            receives=tuple(seg(i, k) for i, k in receives),
+            local=tuple(seg(i, k) for i, k in local),
+        )
+
+    def ranks(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """(source ranks, target ranks) that appear in at least one segment, increasing."""
+        src: set[int] = set()
+        tgt: set[int] = set()
+        for i, t in enumerate(self._tensors):
+            rec = self._records[i]
+            w = record_width(len(t.shape))
+            src.update(rec[0::w])
+            tgt.update(rec[2::w])
+        return tuple(sorted(src)), tuple(sorted(tgt))
+
+    # ------------------------------------------------------------------ statistics
+
+    def _bytes(self, by: int, dtype_of: str, include_local: bool) -> dict[int, int]:
+        out: dict[int, int] = {}
+        for i, t in enumerate(self._tensors):
+            rec = self._records[i]
+            n = len(t.shape)
+            w = record_width(n)
+            size = ITEMSIZE[getattr(t, dtype_of)]
+            for k in range(0, len(rec), w):
+                if not include_local and rec[k] == rec[k + 2]:
+                    continue
+                numel = 1
+                for e in rec[k + 4 + 2 * n : k + w]:
+                    numel *= e
+                r = rec[k + by]
+                out[r] = out.get(r, 0) + numel * size
+        return dict(sorted(out.items()))
+
+    def bytes_by_source_rank(self, *, include_local: bool = True) -> dict[int, int]:
+        """Bytes each source rank reads (in the source dtype); without local copies if asked."""
+        return self._bytes(0, "source_dtype", include_local)
+
+    def bytes_by_target_rank(self, *, include_local: bool = True) -> dict[int, int]:
+        """Bytes each target rank receives (in the target dtype); without local copies if asked."""
+        return self._bytes(2, "target_dtype", include_local)
+
+    def local_bytes(self) -> int:
+        """Bytes (source dtype) copied within one rank."""
+        everything = sum(self.bytes_by_source_rank().values())
+        return everything - sum(self.bytes_by_source_rank(include_local=False).values())
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Plan):
+            return NotImplemented
+        return self._tensors == other._tensors and self._records == other._records
+
+    def __hash__(self) -> int:
+        return hash(self.digest)
+
+    def __repr__(self) -> str:
+        return f"Plan({len(self._tensors)} tensors, {self.segment_count()} segments)"

@@ -1,0 +1,280 @@
+"""The planner: from source and target maps to a deterministic plan of point-to-point copies.
+
+Lifecycle (every rank runs the same pure function on the same maps and gets the same plan, byte for byte):
+
+1. Maps were validated when built (``TensorMap``): each side's distinct boxes (regions) are disjoint and
+   every storage is tiled exactly.
+2. ``plan_model`` matches target maps to source maps by name (the target decides what is needed; a target
+   without a source is a ``CoverageError``), checks logical shapes (``ShapeMismatchError``), and plans the
+   tensors in name order.
+3. Per tensor, a sweep (``rollout_sync.layout.sweep``) finds every (source region, target region) pair that
+   shares elements; each target region must be covered exactly by its intersections (``CoverageError``
+   otherwise; source regions are disjoint, so volumes decide). Never all pairs of pieces.
+4. For each intersection and each target holder, the replica policy picks a source holder
+   (``rollout_sync.planning.policy``); the segment reads the intersected sub-box at the source holder's
+   address and writes it at the target holder's address (offset moved to the sub-box origin, strides of
+   the pieces).
+5. Segments whose address maps continue are merged (``rollout_sync.planning.merge``), then sorted by
+   target rank, target offset, source rank, source offset.
+
+With the ``lowest`` policy a tensor's segments depend only on its shape and both maps' regions, so tensors
+with identical layouts (the layers of a model) are planned once and share their records.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Callable, Sequence
+from math import prod
+from operator import add, mul, sub
+from types import MappingProxyType
+
+from ..errors import CoverageError, LayoutError, ShapeMismatchError
+from ..layout.box import Box
+from ..layout.dtypes import ITEMSIZE
+from ..layout.maps import TensorMap
+from ..layout.sweep import overlapping_pairs
+from ..layout.validate import Address, Region
+from .merge import Raw, merge_segments
+from .plan import Plan, PlannedTensor, Segment
+from .policy import Balanced, ReplicaPolicy, ReplicaRequest, check_choice
+
+__all__ = ["plan_model", "plan_tensor"]
+
+_LOWEST, _BALANCED, _CALLABLE = 0, 1, 2
+
+
+class _Chooser:
+    """The resolved replica policy of one plan."""
+
+    __slots__ = ("balanced", "fn", "mode", "recorder")
+
+    def __init__(self, policy: ReplicaPolicy) -> None:
+        self.balanced: Balanced | None = None
+        self.fn: Callable[[ReplicaRequest], int] | None = None
+        self.recorder: Callable[[int, int], None] | None = None
+        if policy == "lowest":
+            self.mode = _LOWEST
+        elif policy == "balanced" or isinstance(policy, Balanced):
+            self.mode = _BALANCED
+            self.balanced = policy if isinstance(policy, Balanced) else Balanced()
+            self.recorder = self.balanced.record
+        elif callable(policy):
+            self.mode = _CALLABLE
+            self.fn = policy
+            record = getattr(policy, "record", None)
+            self.recorder = record if callable(record) else None
+        else:
+            raise LayoutError(
+                "unknown replica policy", expected='"lowest", "balanced" or a callable', found=repr(policy)
+            )
+
+
+def plan_tensor(source: TensorMap, target: TensorMap, policy: ReplicaPolicy = "lowest") -> list[Segment]:
+    """The segments that fill ``target`` from ``source`` (one logical tensor; ``Segment.tensor`` is 0),
+    in plan order. Names are not compared; shapes are."""
+    _check_pair(source, target)
+    rows = _plan_records(source, target, _Chooser(policy))
+    n = len(source.shape)
+    return [
+        Segment(0, r[0], r[1], r[4 : 4 + n], r[2], r[3], r[4 + n : 4 + 2 * n], r[4 + 2 * n :]) for r in rows
+    ]
+
+
+def plan_model(
+    sources: Sequence[TensorMap], targets: Sequence[TensorMap], policy: ReplicaPolicy = "lowest"
+) -> Plan:
+    """The plan that fills every target map from the source maps of the same name.
+
+    ``policy``: ``"lowest"``, ``"balanced"`` (one fresh ``Balanced`` for this plan) or a callable (see
+    ``rollout_sync.planning.policy``). Extra source maps are ignored. Raises ``LayoutError`` subclasses
+    naming the tensor (and rank and box where there is one) before returning any plan.
+    """
+    by_name: dict[str, TensorMap] = {}
+    for m in sources:
+        if m.name in by_name:
+            raise LayoutError("two source maps describe one logical tensor", tensor=m.name)
+        by_name[m.name] = m
+    ordered = sorted(targets, key=lambda m: m.name)
+    pairs: list[tuple[TensorMap, TensorMap]] = []
+    for i, t in enumerate(ordered):
+        if i and ordered[i - 1].name == t.name:
+            raise LayoutError("two target maps describe one logical tensor", tensor=t.name)
+        s = by_name.get(t.name)
+        if s is None:
+            raise CoverageError(
+                "no source map holds a logical tensor the targets need",
+                tensor=t.name,
+                expected="a source map of the same name",
+                found="none",
+            )
+        _check_pair(s, t)
+        pairs.append((s, t))
+    chooser = _Chooser(policy)
+    cache: dict[object, array] | None = {} if chooser.mode == _LOWEST else None
+    tensors: list[PlannedTensor] = []
+    records: list[array] = []
+    for s, t in pairs:
+        rec: array | None = None
+        key: object = None
+        if cache is not None:
+            key = (s.shape, s.regions, t.regions)
+            rec = cache.get(key)
+        if rec is None:
+            rows = _plan_records(s, t, chooser)
+            rec = array("q", [v for r in rows for v in r])
+            if cache is not None:
+                cache[key] = rec
+        records.append(rec)
+        tensors.append(
+            PlannedTensor(
+                t.name,
+                t.shape,
+                s.dtype,
+                t.dtype,
+                MappingProxyType({r: st.shape for r, st in s.ranks.items()}),
+                MappingProxyType({r: st.shape for r, st in t.ranks.items()}),
+            )
+        )
+    return Plan.from_records(tensors, records, validate=False)
+
+
+def _check_pair(source: TensorMap, target: TensorMap) -> None:
+    if source.shape != target.shape:
+        raise ShapeMismatchError(
+            "source and target maps describe different logical shapes",
+            tensor=target.name,
+            expected=f"target shape {target.shape}",
+            found=f"source shape {source.shape} (source map {source.name!r})",
+        )
+
+
+def _plan_records(source: TensorMap, target: TensorMap, chooser: _Chooser) -> list[tuple[int, ...]]:
+    """Sorted flat records (see ``rollout_sync.planning.plan``) of one tensor."""
+    name = target.name
+    src = source.regions
+    tgt = target.regions
+    ndim = len(target.shape)
+    pairs = overlapping_pairs([(r[0], r[1]) for r in src], [(r[0], r[1]) for r in tgt])
+    by_target: list[list[int]] = [[] for _ in tgt]
+    for si, ti in pairs:
+        by_target[ti].append(si)
+    itemsize = ITEMSIZE[source.dtype]
+    mode = chooser.mode
+    choose_balanced = chooser.balanced.choose if chooser.balanced is not None else None
+    fn = chooser.fn
+    recorder = chooser.recorder
+    # Intersections first, for every target region: coverage is refused before any replica choice.
+    parts_of: list[list[tuple[Region, tuple[int, ...], tuple[int, ...], int]]] = []
+    for ti, (to, te, taddrs) in enumerate(tgt):
+        sis = by_target[ti]
+        sis.sort()
+        parts = []
+        got = 0
+        t_end = tuple(map(add, to, te))
+        for si in sis:
+            region = src[si]
+            so = region[0]
+            xo = tuple(map(max, so, to))
+            xe = tuple(map(sub, map(min, map(add, so, region[1]), t_end), xo))
+            n = prod(xe)
+            got += n
+            parts.append((region, xo, xe, n))
+        volume = prod(te)
+        if got != volume:
+            raise CoverageError(
+                "target elements that no source holds",
+                tensor=name,
+                rank=taddrs[0][0],
+                box=Box(to, te),
+                expected=f"{volume} elements held by sources",
+                found=f"{got}; for example no source holds {_uncovered(to, te, [(p[1], p[2]) for p in parts])}",
+            )
+        parts_of.append(parts)
+    raw: list[Raw] = []
+    append = raw.append
+    for ti, (to, _te, taddrs) in enumerate(tgt):
+        for region, xo, xe, n in parts_of[ti]:
+            saddrs = region[2]
+            sdelta = tuple(map(sub, xo, region[0]))
+            tdelta = tuple(map(sub, xo, to))
+            for trank, toff, tstr in taddrs:
+                sa: Address
+                if len(saddrs) == 1 or mode == _LOWEST:
+                    sa = saddrs[0]
+                else:
+                    holders = tuple(a[0] for a in saddrs)
+                    if choose_balanced is not None:
+                        chosen = choose_balanced(trank, holders)
+                    elif fn is not None:
+                        request = ReplicaRequest(name, trank, Box(xo, xe), holders, n * itemsize)
+                        chosen = check_choice(request, fn(request))
+                    else:
+                        chosen = holders[0]
+                    sa = saddrs[holders.index(chosen)]
+                if recorder is not None:
+                    recorder(sa[0], n * itemsize)
+                sstr = sa[2]
+                append(
+                    (
+                        sa[0],
+                        sa[1] + sum(map(mul, sdelta, sstr)),
+                        sstr,
+                        trank,
+                        toff + sum(map(mul, tdelta, tstr)),
+                        tstr,
+                        xo,
+                        xe,
+                    )
+                )
+    merged = merge_segments(raw, ndim)
+    rows = [(r[0], r[1], r[3], r[4], *r[2], *r[5], *r[7]) for r in merged]
+    rows.sort(key=lambda r: (r[2], r[3], r[0], r[1]))
+    return rows
+
+
+def _uncovered(
+    origin: tuple[int, ...], extent: tuple[int, ...], parts: list[tuple[tuple[int, ...], tuple[int, ...]]]
+) -> Box | str:
+    """Some box of ``origin, extent`` outside every part (for error messages; bounded work)."""
+    gaps = [(origin, extent)]
+    budget = 1 << 14
+    for po, pe in parts:
+        nxt = []
+        for go, ge in gaps:
+            budget -= 1
+            if budget < 0:
+                return "(not located)"
+            nxt.extend(_subtract(go, ge, po, pe))
+        gaps = nxt
+        if not gaps:
+            return "(not located)"
+    return Box(gaps[0][0], gaps[0][1])
+
+
+def _subtract(
+    go: tuple[int, ...], ge: tuple[int, ...], po: tuple[int, ...], pe: tuple[int, ...]
+) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    lo = [max(a, b) for a, b in zip(go, po, strict=True)]
+    hi = [min(a + x, b + y) for a, x, b, y in zip(go, ge, po, pe, strict=True)]
+    if any(h <= low for low, h in zip(lo, hi, strict=True)):
+        return [(go, ge)]
+    origin = list(go)
+    extent = list(ge)
+    out = []
+    for d in range(len(go)):
+        if origin[d] < lo[d]:
+            e = list(extent)
+            e[d] = lo[d] - origin[d]
+            out.append((tuple(origin), tuple(e)))
+            extent[d] -= e[d]
+            origin[d] = lo[d]
+        end = origin[d] + extent[d]
+        if hi[d] < end:
+            o = list(origin)
+            e = list(extent)
+            o[d] = hi[d]
+            e[d] = end - hi[d]
+            out.append((tuple(o), tuple(e)))
+            extent[d] = hi[d] - origin[d]
+    return out

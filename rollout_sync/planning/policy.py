@@ -1,0 +1,93 @@
+"""Replica policies: which holder of a replicated source box serves a target.
+
+The planner asks once per (target rank, intersected box) when the source box has several holders. A policy
+is ``"lowest"``, ``"balanced"`` or any callable taking a ``ReplicaRequest`` and returning one of its
+``candidates``; anything else it returns is refused with ``ReplicaPolicyError``.
+
+- ``lowest``: the lowest holder rank (DeepSpeed's default).
+- ``balanced``: the target rank itself when it holds the box (a copy within one process), else the holder
+  with the fewest bytes assigned so far in this plan (ties: the lowest rank). Every assignment the planner
+  makes counts, including those of boxes with a single holder.
+
+A callable may also define ``record(rank, nbytes)``; the planner then calls it for every assignment (as it
+does for ``Balanced``), so a stateful policy sees the whole plan's load.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal, Protocol, Union
+
+from ..errors import ReplicaPolicyError
+from ..layout.box import Box
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaRequest:
+    """One choice: which of ``candidates`` (source holder ranks, increasing) sends ``box`` of ``tensor`` to
+    ``target_rank``. ``nbytes`` is the size of that copy in source bytes."""
+
+    tensor: str
+    target_rank: int
+    box: Box
+    candidates: tuple[int, ...]
+    nbytes: int
+
+
+class Recorder(Protocol):
+    def record(self, rank: int, nbytes: int) -> None: ...
+
+
+PolicyName = Literal["lowest", "balanced"]
+ReplicaPolicy = Union[PolicyName, Callable[[ReplicaRequest], int]]  # noqa: UP007 (runtime alias for 3.10)
+
+
+def lowest(request: ReplicaRequest) -> int:
+    """The lowest holder rank."""
+    return request.candidates[0]
+
+
+class Balanced:
+    """Local copy first, else the holder with the fewest bytes assigned so far (ties: lowest rank).
+
+    ``assigned`` counts bytes per source rank over every ``record`` call (the planner records every
+    assignment of a plan, chosen or forced). One instance per plan.
+    """
+
+    __slots__ = ("assigned",)
+
+    def __init__(self) -> None:
+        self.assigned: dict[int, int] = {}
+
+    def choose(self, target_rank: int, candidates: tuple[int, ...]) -> int:
+        if target_rank in candidates:
+            return target_rank
+        assigned = self.assigned
+        best = candidates[0]
+        best_load = assigned.get(best, 0)
+        for rank in candidates[1:]:
+            load = assigned.get(rank, 0)
+            if load < best_load:
+                best, best_load = rank, load
+        return best
+
+    def record(self, rank: int, nbytes: int) -> None:
+        self.assigned[rank] = self.assigned.get(rank, 0) + nbytes
+
+    def __call__(self, request: ReplicaRequest) -> int:
+        return self.choose(request.target_rank, request.candidates)
+
+
+def check_choice(request: ReplicaRequest, choice: object) -> int:
+    """The chosen rank, or ``ReplicaPolicyError`` when it is not one of the candidates."""
+    if type(choice) is not int or choice not in request.candidates:
+        raise ReplicaPolicyError(
+            "the replica policy chose a rank that does not hold the box",
+            tensor=request.tensor,
+            rank=request.target_rank,
+            box=request.box,
+            expected=f"one of the holders {list(request.candidates)}",
+            found=repr(choice),
+        )
+    return choice

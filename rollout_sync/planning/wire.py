@@ -1,0 +1,355 @@
+"""The wire format of maps, plans and plan halves: versioned, compact, never pickled.
+
+Layout of one message::
+
+    b"RSYNC" | kind (1 byte: M maps, P plan, H half) | version (u16, big-endian) | flags (u8; bit 0: zlib)
+    | body (zlib-compressed when flagged)
+
+Bodies:
+
+- maps: UTF-8 JSON ``{"maps": [[name, shape, dtype, [[rank, storage_shape, [[origin, extent, offset,
+  strides, holders], ...]], ...]], ...]}``;
+- plan: ``u32`` JSON length, JSON ``{"tensors": [[name, shape, source_dtype, target_dtype,
+  [[rank, shape], ...], [[rank, shape], ...], segment_count], ...]}``, then every tensor's segment records
+  (``rollout_sync.planning.plan``) as little-endian int64, tensor after tensor;
+- half: ``u32`` JSON length, JSON ``{"rank", "digest", "tensors": [... as in a plan, count 0 ...],
+  "counts": [sends, receives, local]}``, then the segments as little-endian int64 records each prefixed by
+  its tensor index.
+
+A plan's digest is the sha256 of its canonical bytes: the header with flags 0 and the uncompressed body.
+JSON is written with sorted keys and no spaces, so equal plans give equal bytes on every machine.
+Decoding refuses another magic, kind or version, and any malformed body, with ``WireFormatError``; a map
+that decodes but breaks the map rules raises the map's own ``LayoutError``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+import sys
+import zlib
+from array import array
+from collections.abc import Sequence
+from typing import Any
+
+from ..errors import WireFormatError
+from ..layout.box import Box
+from ..layout.maps import Piece, RankStorage, TensorMap
+from .plan import Plan, PlanHalf, PlannedTensor, Segment, record_width
+
+MAGIC = b"RSYNC"
+WIRE_VERSION = 1
+KIND_MAPS = b"M"
+KIND_PLAN = b"P"
+KIND_HALF = b"H"
+MAX_BODY_BYTES = 1 << 31
+
+_HEAD = struct.Struct(">5scHB")
+_U32 = struct.Struct(">I")
+
+__all__ = [
+    "WIRE_VERSION",
+    "decode_half",
+    "decode_maps",
+    "decode_plan",
+    "encode_half",
+    "encode_maps",
+    "encode_plan",
+    "plan_digest",
+]
+
+
+# ---------------------------------------------------------------------------------------------- framing
+
+
+def _frame(kind: bytes, body: bytes, compress: bool) -> bytes:
+    if compress:
+        return _HEAD.pack(MAGIC, kind, WIRE_VERSION, 1) + zlib.compress(body, 6)
+    return _HEAD.pack(MAGIC, kind, WIRE_VERSION, 0) + body
+
+
+def _unframe(data: bytes, kind: bytes) -> bytes:
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise WireFormatError(f"expected bytes, found {type(data).__name__}")
+    data = bytes(data)
+    if len(data) < _HEAD.size:
+        raise WireFormatError(f"message of {len(data)} bytes is shorter than the {_HEAD.size}-byte header")
+    magic, got_kind, version, flags = _HEAD.unpack_from(data)
+    if magic != MAGIC:
+        raise WireFormatError(f"not a rollout-sync message (magic {magic!r}, expected {MAGIC!r})")
+    if got_kind != kind:
+        raise WireFormatError(f"expected a message of kind {kind!r}, found {got_kind!r}")
+    if version != WIRE_VERSION:
+        raise WireFormatError(
+            f"wire format version {version} is not supported (this side speaks {WIRE_VERSION})"
+        )
+    if flags & ~1:
+        raise WireFormatError(f"unknown header flags {flags:#x}")
+    body = data[_HEAD.size :]
+    if flags & 1:
+        try:
+            inflater = zlib.decompressobj()
+            body = inflater.decompress(body, MAX_BODY_BYTES)
+            if inflater.unconsumed_tail or not inflater.eof:
+                raise WireFormatError("compressed body is truncated or larger than the limit")
+        except zlib.error as exc:
+            raise WireFormatError(f"compressed body does not inflate: {exc}") from None
+    return body
+
+
+def _json(obj: Any) -> bytes:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()
+
+
+def _load_json(raw: bytes) -> Any:
+    try:
+        return json.loads(raw.decode())
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise WireFormatError(f"body is not UTF-8 JSON: {exc}") from None
+
+
+def _ints_to_bytes(values: array) -> bytes:
+    if sys.byteorder == "big":
+        values = array("q", values)
+        values.byteswap()
+    return values.tobytes()
+
+
+def _ints_from_bytes(raw: bytes) -> array:
+    if len(raw) % 8:
+        raise WireFormatError(f"integer section of {len(raw)} bytes is not a whole number of int64")
+    values = array("q")
+    values.frombytes(raw)
+    if sys.byteorder == "big":
+        values.byteswap()
+    return values
+
+
+def _split_json(body: bytes) -> tuple[Any, bytes]:
+    if len(body) < _U32.size:
+        raise WireFormatError("body is shorter than its JSON length field")
+    (n,) = _U32.unpack_from(body)
+    if _U32.size + n > len(body):
+        raise WireFormatError(f"JSON section of {n} bytes runs past the {len(body)}-byte body")
+    return _load_json(body[_U32.size : _U32.size + n]), body[_U32.size + n :]
+
+
+# ---------------------------------------------------------------------------------------------- maps
+
+
+def encode_maps(maps: Sequence[TensorMap], *, compress: bool = True) -> bytes:
+    """Maps (in the given order) as wire bytes."""
+    out = []
+    for m in maps:
+        ranks = []
+        for rank, st in m.ranks.items():
+            pieces = [
+                [list(p.box.origin), list(p.box.extent), p.offset, list(p.strides), list(p.holders)]
+                for p in st.pieces
+            ]
+            ranks.append([rank, list(st.shape), pieces])
+        out.append([m.name, list(m.shape), m.dtype, ranks])
+    return _frame(KIND_MAPS, _json({"maps": out}), compress)
+
+
+def decode_maps(data: bytes) -> tuple[TensorMap, ...]:
+    """Maps from wire bytes; each is validated as it is built."""
+    obj = _load_json(_unframe(data, KIND_MAPS))
+    try:
+        entries = obj["maps"]
+        maps = []
+        for name, shape, dtype, ranks in entries:
+            table = {}
+            for rank, sshape, pieces in ranks:
+                built = tuple(
+                    Piece(Box(_tup(o), _tup(e)), _int(off), _tup(s), _tup(h)) for o, e, off, s, h in pieces
+                )
+                table[_int(rank)] = RankStorage(_tup(sshape), built)
+            maps.append((name, _tup(shape), dtype, table))
+    except (KeyError, TypeError, ValueError) as exc:
+        if isinstance(exc, WireFormatError) or _is_layout(exc):
+            raise
+        raise WireFormatError(f"malformed maps body: {exc!r}") from None
+    return tuple(TensorMap(name, shape, dtype, table) for name, shape, dtype, table in maps)
+
+
+def _is_layout(exc: BaseException) -> bool:
+    from ..errors import LayoutError
+
+    return isinstance(exc, LayoutError)
+
+
+def _int(x: Any) -> int:
+    if type(x) is not int:
+        raise WireFormatError(f"expected an integer, found {x!r}")
+    return x
+
+
+def _tup(x: Any) -> tuple[int, ...]:
+    if not isinstance(x, list) or any(type(v) is not int for v in x):
+        raise WireFormatError(f"expected a list of integers, found {x!r}")
+    return tuple(x)
+
+
+# ---------------------------------------------------------------------------------------------- plans
+
+
+def _tensor_entry(t: PlannedTensor, count: int) -> list[Any]:
+    return [
+        t.name,
+        list(t.shape),
+        t.source_dtype,
+        t.target_dtype,
+        [[r, list(s)] for r, s in sorted(t.source_storage.items())],
+        [[r, list(s)] for r, s in sorted(t.target_storage.items())],
+        count,
+    ]
+
+
+def _tensor_from(entry: Any) -> tuple[PlannedTensor, int]:
+    try:
+        name, shape, sdt, tdt, sst, tst, count = entry
+        if not isinstance(name, str) or not isinstance(sdt, str) or not isinstance(tdt, str):
+            raise WireFormatError(f"malformed tensor entry {entry!r}")
+        t = PlannedTensor(
+            name,
+            _tup(shape),
+            sdt,
+            tdt,
+            {_int(r): _tup(s) for r, s in sst},
+            {_int(r): _tup(s) for r, s in tst},
+        )
+        return t, _int(count)
+    except (TypeError, ValueError) as exc:
+        if isinstance(exc, WireFormatError) or _is_layout(exc):
+            raise
+        raise WireFormatError(f"malformed tensor entry: {exc!r}") from None
+
+
+def _plan_body(plan: Plan) -> bytes:
+    tensors = [_tensor_entry(t, plan.segment_count(i)) for i, t in enumerate(plan.tensors)]
+    head = _json({"tensors": tensors})
+    ints = b"".join(_ints_to_bytes(plan.records(i)) for i in range(len(plan.tensors)))
+    return _U32.pack(len(head)) + head + ints
+
+
+def encode_plan(plan: Plan, *, compress: bool = True) -> bytes:
+    """A plan as wire bytes."""
+    return _frame(KIND_PLAN, _plan_body(plan), compress)
+
+
+def plan_digest(plan: Plan) -> str:
+    """sha256 hex of the plan's canonical bytes (uncompressed, flags 0)."""
+    h = hashlib.sha256(_HEAD.pack(MAGIC, KIND_PLAN, WIRE_VERSION, 0))
+    tensors = [_tensor_entry(t, plan.segment_count(i)) for i, t in enumerate(plan.tensors)]
+    head = _json({"tensors": tensors})
+    h.update(_U32.pack(len(head)))
+    h.update(head)
+    for i in range(len(plan.tensors)):
+        h.update(_ints_to_bytes(plan.records(i)))
+    return h.hexdigest()
+
+
+def decode_plan(data: bytes) -> Plan:
+    """A plan from wire bytes, validated (ranks and views against the tensor table)."""
+    obj, rest = _split_json(_unframe(data, KIND_PLAN))
+    if not isinstance(obj, dict) or not isinstance(obj.get("tensors"), list):
+        raise WireFormatError("plan body has no tensor table")
+    ints = _ints_from_bytes(rest)
+    tensors = []
+    records = []
+    pos = 0
+    for entry in obj["tensors"]:
+        t, count = _tensor_from(entry)
+        if count < 0:
+            raise WireFormatError(f"tensor {t.name!r} has a negative segment count")
+        n = count * record_width(len(t.shape))
+        if pos + n > len(ints):
+            raise WireFormatError(f"segment records of tensor {t.name!r} run past the end of the body")
+        tensors.append(t)
+        records.append(ints[pos : pos + n])
+        pos += n
+    if pos != len(ints):
+        raise WireFormatError(f"{len(ints) - pos} integers after the last tensor's records")
+    return Plan.from_records(tensors, records)
+
+
+# ---------------------------------------------------------------------------------------------- halves
+
+
+def encode_half(half: PlanHalf, *, compress: bool = True) -> bytes:
+    """One rank's half as wire bytes (with the whole plan's tensor table and digest)."""
+    head = _json(
+        {
+            "rank": half.rank,
+            "digest": half.digest,
+            "tensors": [_tensor_entry(t, 0) for t in half.tensors],
+            "counts": [len(half.sends), len(half.receives), len(half.local)],
+        }
+    )
+    ints = array("q")
+    for group in (half.sends, half.receives, half.local):
+        for s in group:
+            ints.extend(
+                (
+                    s.tensor,
+                    s.source_rank,
+                    s.source_offset,
+                    s.target_rank,
+                    s.target_offset,
+                    *s.source_strides,
+                    *s.target_strides,
+                    *s.extent,
+                )
+            )
+    return _frame(KIND_HALF, _U32.pack(len(head)) + head + _ints_to_bytes(ints), compress)
+
+
+def decode_half(data: bytes) -> PlanHalf:
+    """A half from wire bytes; segments are checked against the tensor table as they are built."""
+    obj, rest = _split_json(_unframe(data, KIND_HALF))
+    try:
+        rank = _int(obj["rank"])
+        digest = obj["digest"]
+        counts = [_int(c) for c in obj["counts"]]
+        tensors = tuple(_tensor_from(e)[0] for e in obj["tensors"])
+        if not isinstance(digest, str) or len(counts) != 3:
+            raise WireFormatError("malformed half header")
+    except (KeyError, TypeError, ValueError) as exc:
+        if isinstance(exc, WireFormatError) or _is_layout(exc):
+            raise
+        raise WireFormatError(f"malformed half header: {exc!r}") from None
+    ints = _ints_from_bytes(rest)
+    groups: list[list[Segment]] = [[], [], []]
+    pos = 0
+    for g, count in enumerate(counts):
+        for _ in range(count):
+            if pos >= len(ints):
+                raise WireFormatError("half segments run past the end of the body")
+            ti = ints[pos]
+            if not 0 <= ti < len(tensors):
+                raise WireFormatError(f"a half segment names tensor {ti}, the table has {len(tensors)}")
+            n = len(tensors[ti].shape)
+            w = record_width(n)
+            if pos + 1 + w > len(ints):
+                raise WireFormatError("half segments run past the end of the body")
+            r = ints[pos + 1 : pos + 1 + w]
+            seg = Segment(
+                ti,
+                r[0],
+                r[1],
+                tuple(r[4 : 4 + n]),
+                r[2],
+                r[3],
+                tuple(r[4 + n : 4 + 2 * n]),
+                tuple(r[4 + 2 * n :]),
+            )
+            t = tensors[ti]
+            if seg.source_rank not in t.source_storage or seg.target_rank not in t.target_storage:
+                raise WireFormatError(f"a half segment names a rank with no storage of tensor {t.name!r}")
+            groups[g].append(seg)
+            pos += 1 + w
+    if pos != len(ints):
+        raise WireFormatError(f"{len(ints) - pos} integers after the last segment of the half")
+    return PlanHalf(rank, digest, tensors, tuple(groups[0]), tuple(groups[1]), tuple(groups[2]))
