@@ -1,0 +1,384 @@
+"""The executor: every rank of the sync group runs its half of a plan.
+
+Lifecycle of one sync (every rank of the group calls ``Executor.execute``, even with an empty half):
+
+1. **check** — locally: the half is well formed (``schedule.check_half``) and this rank holds every storage
+   it needs with the plan's shape and dtype (``local_check``). A failure is not raised yet: it becomes the
+   rank's refusal.
+2. **agree** — one allgather of a fixed-size record per rank (``agreement``): plan digest, refusal and
+   reason, half fingerprints, options, message size offer. Every rank decides the same way and, on any
+   mismatch, every rank raises the same ``PlanMismatchError``. Nothing has moved yet.
+3. **schedule** — pure, cached per (half, agreed message sizes): per pair of ranks, the same messages on
+   both ends (``schedule.build_schedule``).
+4. **transfer** — rounds: post receives, pack and post sends, wait, unpack (casting to the target dtype);
+   with ``overlap`` the next round is packed while the current one is on the wire. Copies within the rank
+   run while the first rounds are in flight. Every wait is bounded by ``timeout``.
+
+Staging (pack and unpack slots) lives in one arena per executor, allocated once and reused; its size is at
+most ``staging_cap_bytes``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..planning.plan import PlanHalf
+from . import agreement
+from .dtypes import element_size
+from .fingerprint import pair_sums, table_hash
+from .groups import group_backend, group_rank, group_size
+from .local_check import check_storages
+from .p2p import Op, Pending, transport_for
+from .schedule import (
+    ALIGN,
+    MIN_MESSAGE_BYTES,
+    Copy,
+    Message,
+    Schedule,
+    build_schedule,
+    check_half,
+    part_copies,
+    peers_of,
+    wanted_message_bytes,
+)
+from .staging import StagingArena
+from .stats import ExecuteOptions, SyncStats
+
+__all__ = ["Executor", "execute"]
+
+
+@dataclass(frozen=True, slots=True)
+class _PartProgram:
+    name: str  # logical tensor name (key of sources / targets)
+    wire: torch.dtype  # source dtype: what the bytes on the wire are
+    wire_size: int
+    byte_offset: int
+    count: int
+    copies: tuple[Copy, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class _Program:
+    """A schedule with every copy precomputed, for one rank."""
+
+    schedule: Schedule
+    sends: dict[int, list[tuple[Message, tuple[_PartProgram, ...]]]]  # round -> messages
+    receives: dict[int, list[tuple[Message, tuple[_PartProgram, ...]]]]
+    bytes_sent: dict[int, int]
+    bytes_received: dict[int, int]
+    local_bytes: int
+
+
+def _torch_dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"{name!r} is not a torch dtype")
+    return dtype
+
+
+def _compile(half: PlanHalf, schedule: Schedule) -> _Program:
+    def program(message: Message, side: str) -> tuple[_PartProgram, ...]:
+        out = []
+        for part in message.parts:
+            t = half.tensors[part.segment.tensor]
+            wire = _torch_dtype(t.source_dtype)
+            copies = part_copies(part, side)
+            out.append(
+                _PartProgram(t.name, wire, element_size(t.source_dtype), part.byte_offset, part.count, copies)
+            )
+        return tuple(out)
+
+    sends: dict[int, list[tuple[Message, tuple[_PartProgram, ...]]]] = {}
+    receives: dict[int, list[tuple[Message, tuple[_PartProgram, ...]]]] = {}
+    bytes_sent: dict[int, int] = {}
+    bytes_received: dict[int, int] = {}
+    for m in schedule.sends:
+        sends.setdefault(m.round, []).append((m, program(m, "source")))
+        bytes_sent[m.peer] = bytes_sent.get(m.peer, 0) + _payload(half, m)
+    for m in schedule.receives:
+        receives.setdefault(m.round, []).append((m, program(m, "target")))
+        bytes_received[m.peer] = bytes_received.get(m.peer, 0) + _payload(half, m)
+    local_bytes = sum(s.numel * element_size(half.tensors[s.tensor].target_dtype) for s in schedule.local)
+    return _Program(schedule, sends, receives, bytes_sent, bytes_received, local_bytes)
+
+
+def _payload(half: PlanHalf, m: Message) -> int:
+    return sum(p.count * element_size(half.tensors[p.segment.tensor].source_dtype) for p in m.parts)
+
+
+def _view(storage: torch.Tensor, c: Copy) -> torch.Tensor:
+    return torch.as_strided(storage, c.extent, c.strides, storage.storage_offset() + c.offset)
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    def add(self, phase: str, since: float) -> float:
+        now = time.perf_counter()
+        self.seconds[phase] = self.seconds.get(phase, 0.0) + now - since
+        return now
+
+
+class Executor:
+    """Runs halves of plans over one group, reusing its staging arena and schedules across syncs.
+
+    ``group`` is a process group object (a backend object built by ``groups.build_group``, or
+    ``torch.distributed.group.WORLD``); its ranks are the global ranks of the plans.
+    """
+
+    def __init__(self, group: Any, options: ExecuteOptions | None = None) -> None:
+        self.group = group
+        self.options = options or ExecuteOptions()
+        self.rank = group_rank(group)
+        self.world = group_size(group)
+        self.backend = group_backend(group)
+        self.arena = StagingArena()
+        self._cached: tuple[tuple[Any, ...], PlanHalf, _Program] | None = None
+        self._fingerprints: tuple[PlanHalf, bytes, tuple[int, int]] | None = None
+
+    @property
+    def depth(self) -> int:
+        return 2 if self.options.overlap else 1
+
+    # -- 1. check -------------------------------------------------------------------------------------
+    def _check(
+        self, half: PlanHalf, sources: Mapping[str, torch.Tensor], targets: Mapping[str, torch.Tensor]
+    ) -> tuple[str | None, torch.device | None, int]:
+        if not isinstance(half, PlanHalf):
+            return f"rank {self.rank} was given a {type(half).__name__}, not a PlanHalf", None, 0
+        if half.rank != self.rank:
+            return f"rank {self.rank} of the group was given the half of rank {half.rank}", None, 0
+        reason = check_half(half)
+        if reason is not None:
+            return f"rank {self.rank}: {reason}", None, 0
+        reason, device = check_storages(half, sources, targets)
+        if reason is not None:
+            return reason, None, 0
+        wanted = wanted_message_bytes(half, self.options.staging_cap_bytes, self.depth)
+        send_peers, recv_peers = peers_of(half)
+        if (send_peers or recv_peers) and wanted < MIN_MESSAGE_BYTES:
+            slots = self.depth * (len(send_peers) + len(recv_peers))
+            return (
+                (
+                    f"rank {self.rank}: a staging cap of {self.options.staging_cap_bytes} bytes leaves {wanted} "
+                    f"bytes per message for {slots} staging slots; at least {MIN_MESSAGE_BYTES} are needed"
+                ),
+                None,
+                0,
+            )
+        return None, device, wanted
+
+    def _half_fingerprints(self, half: PlanHalf) -> tuple[bytes, tuple[int, int]]:
+        cached = self._fingerprints
+        if cached is not None and cached[0] is half:
+            return cached[1], cached[2]
+        fp = table_hash(half), pair_sums(half)
+        self._fingerprints = (half, *fp)
+        return fp
+
+    # -- 2. agree ---------------------------------------------------------------------------------------
+    def _agree(self, half: Any, reason: str | None, wanted: int, device: torch.device) -> list[int]:
+        ok = isinstance(half, PlanHalf) and reason is None
+        thash, (sent, received) = self._half_fingerprints(half) if ok else (b"\0" * 16, (0, 0))
+        digest = half.digest if isinstance(half, PlanHalf) else ""
+        record = agreement.Record(
+            group_rank=self.rank,
+            half_rank=half.rank if isinstance(half, PlanHalf) else -1,
+            refused=reason is not None,
+            zero_copy=self.options.zero_copy,
+            overlap=self.options.overlap,
+            digest_sha=agreement.digest_sha(digest),
+            digest_prefix=digest[:16],
+            table_hash=thash,
+            sent_sum=sent,
+            received_sum=received,
+            message_bytes=wanted,
+            staging_cap_bytes=self.options.staging_cap_bytes,
+            reason=reason or "",
+        )
+        records = agreement.exchange(
+            self.group, agreement.encode(record), self.world, self.options.timeout, self.rank, device
+        )
+        return agreement.decide(records)
+
+    # -- 3. schedule ------------------------------------------------------------------------------------
+    def _program(self, half: PlanHalf, offers: list[int]) -> _Program:
+        send_peers, recv_peers = peers_of(half)
+        sizes = {p: min(offers[self.rank], offers[p]) // ALIGN * ALIGN for p in {*send_peers, *recv_peers}}
+        key = (half.digest, tuple(sorted(sizes.items())), self.depth, self.options.zero_copy)
+        cached = self._cached
+        if cached is not None and cached[0] == key and cached[1] is half:
+            return cached[2]
+        schedule = build_schedule(half, sizes, zero_copy=self.options.zero_copy, depth=self.depth)
+        program = _compile(half, schedule)
+        self._cached = (key, half, program)  # one plan at a time: a new plan replaces the old
+        return program
+
+    # -- 4. transfer ------------------------------------------------------------------------------------
+    def execute(
+        self, half: PlanHalf, sources: Mapping[str, torch.Tensor], targets: Mapping[str, torch.Tensor]
+    ) -> SyncStats:
+        """Run this rank's half. Returns when every byte this rank sends has left and every byte it receives
+        has landed in its target storage (cast to the target dtype)."""
+        clock = _Clock()
+        t0 = t = time.perf_counter()
+        reason, device, wanted = self._check(half, sources, targets)
+        if device is None:
+            device = self._default_device()
+        t = clock.add("check", t)
+        offers = self._agree(half, reason, wanted, device)
+        t = clock.add("agree", t)
+        program = self._program(half, offers)
+        schedule = program.schedule
+        arena = self.arena.reserve(schedule.staging_bytes, device, self.options.staging_cap_bytes)
+        t = clock.add("schedule", t)
+        with torch.no_grad():
+            self._transfer(half, program, arena, sources, targets, device, clock)
+        clock.seconds["total"] = time.perf_counter() - t0
+        return SyncStats(
+            rank=self.rank,
+            bytes_sent=dict(program.bytes_sent),
+            bytes_received=dict(program.bytes_received),
+            local_bytes=program.local_bytes,
+            messages_sent=len(schedule.sends),
+            messages_received=len(schedule.receives),
+            rounds=schedule.rounds,
+            peak_staging_bytes=self.arena.allocated_bytes,
+            staging_cap_bytes=self.options.staging_cap_bytes,
+            seconds=clock.seconds,
+        )
+
+    def _default_device(self) -> torch.device:
+        if self.backend == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    def _transfer(
+        self,
+        half: PlanHalf,
+        program: _Program,
+        arena: torch.Tensor,
+        sources: Mapping[str, torch.Tensor],
+        targets: Mapping[str, torch.Tensor],
+        device: torch.device,
+        clock: _Clock,
+    ) -> None:
+        schedule = program.schedule
+        transport = transport_for(self.group, self.backend, self.rank, self.options.timeout, device)
+        coalesced = self.backend == "nccl"
+        depth = schedule.depth
+        rounds = schedule.rounds
+        pending_recv: dict[int, list[Pending]] = {}
+        pending_send: dict[int, list[Pending]] = {}
+
+        def slot(direction: str, m: Message) -> torch.Tensor:
+            offset, _ = schedule.slot(direction, m)
+            return arena[offset : offset + m.nbytes]
+
+        def direct_view(storage: torch.Tensor, parts: tuple[_PartProgram, ...]) -> torch.Tensor:
+            (c,) = parts[0].copies  # a direct part is dense: one flat copy
+            return _view(storage, c)
+
+        def post(r: int) -> None:
+            t = time.perf_counter()
+            recv_ops = []
+            for m, parts in program.receives.get(r, ()):
+                buf = direct_view(targets[parts[0].name], parts) if m.direct else slot("recv", m)
+                recv_ops.append(Op("recv", buf, m.peer, m.tag, r))
+            send_ops = []
+            if not coalesced:
+                pending_recv[r] = transport.post(recv_ops)
+                t = clock.add("post", t)
+            sent: list[Pending] = []
+            for m, parts in program.sends.get(r, ()):
+                if m.direct:
+                    buf = direct_view(sources[parts[0].name], parts)
+                else:
+                    buf = slot("send", m)
+                    _pack(buf, parts, sources)
+                    t = clock.add("pack", t)
+                op = Op("send", buf, m.peer, m.tag, r)
+                if coalesced:
+                    send_ops.append(op)
+                else:
+                    sent += transport.post([op])
+                    t = clock.add("post", t)
+            if coalesced:
+                posted = transport.post(recv_ops + send_ops)
+                pending_recv[r] = posted[: len(recv_ops)]
+                sent = posted[len(recv_ops) :]
+                clock.add("post", t)
+            pending_send[r] = sent
+
+        for r in range(min(depth, rounds)):
+            post(r)
+        t = time.perf_counter()
+        for s in schedule.local:
+            tensor = half.tensors[s.tensor]
+            src, dst = sources[tensor.name], targets[tensor.name]
+            torch.as_strided(dst, s.extent, s.target_strides, dst.storage_offset() + s.target_offset).copy_(
+                torch.as_strided(src, s.extent, s.source_strides, src.storage_offset() + s.source_offset)
+            )
+        clock.add("local", t)
+        for r in range(rounds):
+            t = time.perf_counter()
+            transport.wait(pending_recv.pop(r, []))
+            t = clock.add("wait", t)
+            for m, parts in program.receives.get(r, ()):
+                if not m.direct:
+                    _unpack(slot("recv", m), parts, targets)
+            t = clock.add("unpack", t)
+            if r + depth < rounds:
+                transport.wait(pending_send.pop(r, []))  # its slots are reused by round r + depth
+                clock.add("wait", t)
+                post(r + depth)
+        t = time.perf_counter()
+        for r in sorted(pending_send):
+            transport.wait(pending_send.pop(r))
+        clock.add("wait", t)
+
+
+def _pack(buf: torch.Tensor, parts: tuple[_PartProgram, ...], sources: Mapping[str, torch.Tensor]) -> None:
+    for p in parts:
+        storage = sources[p.name]
+        typed = buf[p.byte_offset : p.byte_offset + p.count * p.wire_size].view(p.wire)
+        for c in p.copies:
+            n = 1
+            for e in c.extent:
+                n *= e
+            typed[c.buffer_offset : c.buffer_offset + n].view(c.extent).copy_(_view(storage, c))
+
+
+def _unpack(buf: torch.Tensor, parts: tuple[_PartProgram, ...], targets: Mapping[str, torch.Tensor]) -> None:
+    for p in parts:
+        storage = targets[p.name]
+        typed = buf[p.byte_offset : p.byte_offset + p.count * p.wire_size].view(p.wire)
+        for c in p.copies:
+            n = 1
+            for e in c.extent:
+                n *= e
+            _view(storage, c).copy_(typed[c.buffer_offset : c.buffer_offset + n].view(c.extent))
+
+
+def execute(
+    half: PlanHalf,
+    sources: Mapping[str, torch.Tensor],
+    targets: Mapping[str, torch.Tensor],
+    group: Any,
+    options: ExecuteOptions | None = None,
+    *,
+    executor: Executor | None = None,
+) -> SyncStats:
+    """Run ``half`` on this rank of ``group``. Pass the same ``executor`` at every sync to reuse its staging
+    and schedule; without one, a fresh executor is made for this call."""
+    if executor is None:
+        executor = Executor(group, options)
+    elif executor.group is not group:
+        raise ValueError("the executor was made for another group")
+    return executor.execute(half, sources, targets)

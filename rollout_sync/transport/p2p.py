@@ -1,0 +1,124 @@
+"""Posting point-to-point messages on a group object and waiting for them within a timeout.
+
+Keyed by backend:
+
+- NCCL: the sends and receives of one round are issued between ``_start_coalescing`` and
+  ``_end_coalescing`` on the group (NCCL group start/end), so they progress together; one work covers the
+  round.
+- every other backend (gloo, ...): each message is posted on its own with ``group.send`` /
+  ``group.recv`` (many tagged messages may be outstanding at once) and has its own work.
+
+Every wait is bounded: a peer that dies turns into ``PeerFailedError``, one that stalls into
+``SyncTimeoutError``, both naming this rank, the peer and the round.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+from ..errors import PeerFailedError, SyncTimeoutError
+
+__all__ = ["Pending", "Transport", "transport_for"]
+
+
+@dataclass(slots=True)
+class Pending:
+    """A posted message: ``kind`` is ``"send"`` or ``"recv"``."""
+
+    work: Any
+    peer: int
+    kind: str
+    round: int
+    done: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Op:
+    kind: str  # "send" or "recv"
+    tensor: torch.Tensor
+    peer: int
+    tag: int
+    round: int
+
+
+def _is_timeout(text: str) -> bool:
+    lowered = text.lower()
+    return "timed out" in lowered or "timeout" in lowered
+
+
+class Transport:
+    """Individually posted messages (gloo and any backend without coalescing)."""
+
+    def __init__(self, group: Any, rank: int, timeout: float, device: torch.device) -> None:
+        self.group = group
+        self.rank = rank
+        self.timeout = timeout
+        self.device = device
+
+    def post(self, ops: Sequence[Op]) -> list[Pending]:
+        pending = []
+        for op in ops:
+            try:
+                if op.kind == "send":
+                    work = self.group.send([op.tensor], op.peer, op.tag)
+                else:
+                    work = self.group.recv([op.tensor], op.peer, op.tag)
+            except RuntimeError as e:
+                raise self._error(op.kind, op.peer, op.round, str(e)) from e
+            pending.append(Pending(work, op.peer, op.kind, op.round))
+        return pending
+
+    def wait(self, pending: Sequence[Pending]) -> None:
+        for p in pending:
+            if p.done:
+                continue
+            try:
+                finished = p.work.wait(timedelta(seconds=self.timeout))
+            except RuntimeError as e:
+                raise self._error(p.kind, p.peer, p.round, str(e)) from e
+            if finished is False:
+                raise self._error(p.kind, p.peer, p.round, "the wait returned unfinished")
+            p.done = True
+
+    def _error(self, kind: str, peer: int, round_: int, text: str) -> Exception:
+        what = "sending to" if kind == "send" else "receiving from"
+        if _is_timeout(text):
+            return SyncTimeoutError(
+                f"rank {self.rank}: {what} rank {peer} (round {round_}) made no progress within "
+                f"{self.timeout:g} s; the peer stalled or died: {text}"
+            )
+        return PeerFailedError(f"rank {self.rank}: {what} rank {peer} (round {round_}) failed: {text}")
+
+
+class CoalescedTransport(Transport):
+    """NCCL: one group start/end per posted batch (a round); all its messages share one work."""
+
+    def post(self, ops: Sequence[Op]) -> list[Pending]:
+        if not ops:
+            return []
+        round_ = ops[0].round
+        try:
+            self.group._start_coalescing(self.device)
+            for op in ops:
+                if op.kind == "send":
+                    self.group.send([op.tensor], op.peer, op.tag)
+                else:
+                    self.group.recv([op.tensor], op.peer, op.tag)
+            work = self.group._end_coalescing(self.device)
+        except RuntimeError as e:
+            peers = sorted({op.peer for op in ops})
+            raise PeerFailedError(
+                f"rank {self.rank}: posting round {round_} with ranks {peers} failed: {e}"
+            ) from e
+        return [Pending(work, op.peer, op.kind, op.round) for op in ops]
+
+
+def transport_for(group: Any, backend: str, rank: int, timeout: float, device: torch.device) -> Transport:
+    if backend == "nccl":
+        return CoalescedTransport(group, rank, timeout, device)
+    return Transport(group, rank, timeout, device)

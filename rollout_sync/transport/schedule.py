@@ -1,0 +1,360 @@
+"""The transfer schedule of one rank's half: which bytes travel in which message, in which round.
+
+Pure (no torch, no process group): both ends of every pair compute the same messages from the segments
+they share, so a sender's message ``k`` to rank ``t`` and rank ``t``'s message ``k`` from the sender carry
+the same parts at the same byte offsets, without any exchange beyond the agreed message size.
+
+Lifecycle (see ``executor.py``): ``check_half`` (before agreement) → ``wanted_message_bytes`` (each rank's
+offer, exchanged in the agreement) → ``build_schedule`` with ``message_bytes[peer] = min(offer of this
+rank, offer of peer)`` → the executor runs it.
+
+Wire format of a pair stream (one direction between two ranks):
+
+- segments are sorted canonically (``segment_key``);
+- a **direct** segment (dense in both storages, same dtype on both sides, ``zero_copy`` on, at least
+  ``DIRECT_MIN_BYTES``) travels straight from source storage to target storage, no staging: it is cut into
+  runs of at most ``message_bytes`` and run ``j`` of the pair is direct message ``j``;
+- every other segment is **packed**: the pair's packed segments are laid end to end, each part starting
+  at a multiple of ``ALIGN`` bytes, and cut into messages of at most ``message_bytes``. A segment that does
+  not fit in the room left is cut by bytes, at an element boundary, in the row-major order of its extent
+  (any axis, 1-D runs included): a run ``[start, start + count)`` of a segment is at most ``2·ndim − 1``
+  boxes, or one flat copy where the segment is dense in a storage.
+- round ``k`` of the pair holds packed message ``k`` (tag ``2k``) and direct message ``k`` (tag ``2k+1``).
+  The number of rounds is about ``bytes / message_bytes``, whatever the number of segments.
+
+Element sizes on the wire are the source dtype's: the receiver casts (``tensor.to(dtype)`` semantics).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from math import prod
+
+from ..layout.runs import flat_run_boxes
+from ..planning.plan import PlanHalf, Segment
+from .dtypes import element_size, known_dtype
+
+__all__ = [
+    "ALIGN",
+    "DIRECT_MIN_BYTES",
+    "MIN_MESSAGE_BYTES",
+    "Copy",
+    "Message",
+    "Part",
+    "Schedule",
+    "build_schedule",
+    "check_half",
+    "is_dense",
+    "pair_messages",
+    "part_copies",
+    "peers_of",
+    "segment_key",
+    "wanted_message_bytes",
+]
+
+ALIGN = 16
+"""Every part starts at a multiple of this many bytes in its message (so typed views of the byte buffer
+are aligned for every dtype)."""
+
+DIRECT_MIN_BYTES = 1 << 16
+"""A dense segment smaller than this is packed rather than sent on its own (a message costs more than a
+copy at this size)."""
+
+MIN_MESSAGE_BYTES = 64
+"""The smallest message size a staging cap may leave per peer."""
+
+
+@dataclass(frozen=True, slots=True)
+class Part:
+    """Elements ``[start, start + count)`` of a segment (row-major order of its extent), at ``byte_offset``
+    in its message."""
+
+    segment: Segment
+    start: int
+    count: int
+    byte_offset: int
+
+
+@dataclass(frozen=True, slots=True)
+class Message:
+    """One point-to-point message between this rank and ``peer``. A direct message has exactly one part,
+    sent from the source storage and received into the target storage; a packed one goes through a
+    staging slot."""
+
+    peer: int
+    round: int
+    direct: bool
+    nbytes: int
+    parts: tuple[Part, ...]
+
+    @property
+    def tag(self) -> int:
+        return 2 * self.round + int(self.direct)
+
+
+@dataclass(frozen=True, slots=True)
+class Copy:
+    """One strided copy between a storage and a message buffer: ``torch.as_strided(storage, extent,
+    strides, storage_offset + offset)`` ↔ ``count`` elements of the buffer at element ``buffer_offset``
+    (relative to the part's first byte), reshaped to ``extent``."""
+
+    extent: tuple[int, ...]
+    strides: tuple[int, ...]
+    offset: int
+    buffer_offset: int
+
+
+@dataclass(frozen=True, slots=True)
+class Schedule:
+    """What one rank does in one sync.
+
+    ``sends`` / ``receives`` are sorted by ``(round, peer, direct)``. ``slots`` gives each staging slot's
+    byte range in the rank's staging arena, keyed by ``(direction, peer, parity)`` with direction
+    ``"send"`` or ``"recv"``; packed message of round ``k`` uses parity ``k % depth``.
+    """
+
+    rank: int
+    sends: tuple[Message, ...]
+    receives: tuple[Message, ...]
+    local: tuple[Segment, ...]
+    rounds: int
+    depth: int
+    slots: Mapping[tuple[str, int, int], tuple[int, int]]
+    staging_bytes: int
+
+    def slot(self, direction: str, message: Message) -> tuple[int, int]:
+        return self.slots[(direction, message.peer, message.round % self.depth)]
+
+
+def segment_key(s: Segment) -> tuple[object, ...]:
+    """Canonical order of segments: by tensor, then source address (locality when packing)."""
+    return (
+        s.tensor,
+        s.source_rank,
+        s.target_rank,
+        s.source_offset,
+        s.target_offset,
+        s.extent,
+        s.source_strides,
+        s.target_strides,
+    )
+
+
+def is_dense(extent: Sequence[int], strides: Sequence[int]) -> bool:
+    """Whether the row-major walk of ``extent`` visits consecutive storage elements (axes of extent 1
+    ignored), so any flat run of it is one contiguous range of the storage."""
+    expected = 1
+    for e, s in zip(reversed(extent), reversed(strides), strict=True):
+        if e == 1:
+            continue
+        if s != expected:
+            return False
+        expected *= e
+    return True
+
+
+def _align_up(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+def _align_down(n: int) -> int:
+    return n // ALIGN * ALIGN
+
+
+def peers_of(half: PlanHalf) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The ranks this half sends to, and those it receives from (sorted)."""
+    return (
+        tuple(sorted({s.target_rank for s in half.sends})),
+        tuple(sorted({s.source_rank for s in half.receives})),
+    )
+
+
+def wanted_message_bytes(half: PlanHalf, staging_cap_bytes: int, depth: int) -> int:
+    """The largest message this rank can stage per peer: ``cap / (depth · (send peers + receive peers))``,
+    rounded down to ``ALIGN``. ``depth`` is 2 when packing the next round overlaps the current transfer."""
+    send_peers, recv_peers = peers_of(half)
+    slots = depth * (len(send_peers) + len(recv_peers))
+    return _align_down(staging_cap_bytes // max(slots, 1))
+
+
+def _wire_size(half: PlanHalf, s: Segment) -> int:
+    return element_size(half.tensors[s.tensor].source_dtype)
+
+
+def _is_direct(half: PlanHalf, s: Segment, zero_copy: bool) -> bool:
+    if not zero_copy:
+        return False
+    t = half.tensors[s.tensor]
+    return (
+        t.source_dtype == t.target_dtype
+        and s.numel * element_size(t.source_dtype) >= DIRECT_MIN_BYTES
+        and is_dense(s.extent, s.source_strides)
+        and is_dense(s.extent, s.target_strides)
+    )
+
+
+def pair_messages(
+    half: PlanHalf, segments: Iterable[Segment], peer: int, message_bytes: int, *, zero_copy: bool
+) -> list[Message]:
+    """All messages of one pair stream, in round order (see the module docstring). ``segments`` are the
+    segments between this rank and ``peer`` in one direction; the other end passes the same set."""
+    if message_bytes < MIN_MESSAGE_BYTES or message_bytes % ALIGN:
+        raise ValueError(
+            f"message size {message_bytes} is below {MIN_MESSAGE_BYTES} or not a multiple of {ALIGN}"
+        )
+    ordered = sorted((s for s in segments if s.numel > 0), key=segment_key)
+    packed: list[Message] = []
+    direct: list[Message] = []
+    parts: list[Part] = []
+    used = 0
+
+    def close() -> None:
+        nonlocal parts, used
+        if parts:
+            packed.append(Message(peer, len(packed), False, used, tuple(parts)))
+        parts, used = [], 0
+
+    for s in ordered:
+        size = _wire_size(half, s)
+        n = s.numel
+        if _is_direct(half, s, zero_copy):
+            per = message_bytes // size
+            for start in range(0, n, per):
+                count = min(per, n - start)
+                part = Part(s, start, count, 0)
+                direct.append(Message(peer, len(direct), True, count * size, (part,)))
+            continue
+        start = 0
+        while start < n:
+            at = _align_up(used)
+            room = (message_bytes - at) // size if at < message_bytes else 0
+            if room <= 0:
+                close()
+                continue
+            count = min(room, n - start)
+            parts.append(Part(s, start, count, at))
+            used = at + count * size
+            start += count
+    close()
+    return packed + direct
+
+
+def build_schedule(
+    half: PlanHalf, message_bytes: Mapping[int, int], *, zero_copy: bool = True, depth: int = 2
+) -> Schedule:
+    """The schedule of ``half`` given the agreed message size with each peer."""
+    if depth not in (1, 2):
+        raise ValueError(f"depth must be 1 or 2, not {depth}")
+    by_peer_out: dict[int, list[Segment]] = {}
+    by_peer_in: dict[int, list[Segment]] = {}
+    for s in half.sends:
+        by_peer_out.setdefault(s.target_rank, []).append(s)
+    for s in half.receives:
+        by_peer_in.setdefault(s.source_rank, []).append(s)
+    sends: list[Message] = []
+    receives: list[Message] = []
+    slot_sizes: dict[tuple[str, int, int], int] = {}
+    for direction, by_peer, out in (("send", by_peer_out, sends), ("recv", by_peer_in, receives)):
+        for peer in sorted(by_peer):
+            msgs = pair_messages(half, by_peer[peer], peer, message_bytes[peer], zero_copy=zero_copy)
+            out.extend(msgs)
+            for m in msgs:
+                if not m.direct:
+                    key = (direction, peer, m.round % depth)
+                    slot_sizes[key] = max(slot_sizes.get(key, 0), _align_up(m.nbytes))
+    order = lambda m: (m.round, m.peer, m.direct)  # noqa: E731
+    sends.sort(key=order)
+    receives.sort(key=order)
+    slots: dict[tuple[str, int, int], tuple[int, int]] = {}
+    offset = 0
+    for key in sorted(slot_sizes):
+        slots[key] = (offset, slot_sizes[key])
+        offset += slot_sizes[key]
+    rounds = max((m.round + 1 for m in (*sends, *receives)), default=0)
+    return Schedule(
+        rank=half.rank,
+        sends=tuple(sends),
+        receives=tuple(receives),
+        local=tuple(sorted(half.local, key=segment_key)),
+        rounds=rounds,
+        depth=depth,
+        slots=slots,
+        staging_bytes=offset,
+    )
+
+
+def part_copies(part: Part, side: str) -> tuple[Copy, ...]:
+    """The strided copies that move ``part`` between its message and the ``"source"`` or ``"target"``
+    storage: one flat copy where the segment is dense in that storage, else one per box of the run (at
+    most ``2·ndim − 1``)."""
+    s = part.segment
+    if side == "source":
+        base, strides = s.source_offset, s.source_strides
+    elif side == "target":
+        base, strides = s.target_offset, s.target_strides
+    else:
+        raise ValueError(f"side must be 'source' or 'target', not {side!r}")
+    if is_dense(s.extent, strides):
+        return (Copy((part.count,), (1,), base + part.start, 0),)
+    copies = []
+    position = 0
+    for box in flat_run_boxes(s.extent, part.start, part.start + part.count):
+        offset = base + sum(o * st for o, st in zip(box.origin, strides, strict=True))
+        copies.append(Copy(box.extent, strides, offset, position))
+        position += box.numel
+    return tuple(copies)
+
+
+def _reach(offset: int, extent: Sequence[int], strides: Sequence[int]) -> int:
+    """One past the last storage element a view touches (``offset`` for an empty view)."""
+    if prod(extent) == 0:
+        return offset
+    return offset + sum((e - 1) * st for e, st in zip(extent, strides, strict=True)) + 1
+
+
+def check_half(half: PlanHalf) -> str | None:
+    """Why this half cannot be executed by its rank, or None. Checks only what the half itself says
+    (segment roles, addresses inside the storage shapes of the plan's tensor table, known dtypes); the
+    local storages are checked by the executor."""
+    rank = half.rank
+    n = len(half.tensors)
+    for t in half.tensors:
+        for dtype in (t.source_dtype, t.target_dtype):
+            if not known_dtype(dtype):
+                return f"tensor {t.name!r} has dtype {dtype!r}, which the transport does not know"
+    roles = (
+        ("sent", half.sends, lambda s: s.source_rank == rank != s.target_rank),
+        ("received", half.receives, lambda s: s.target_rank == rank != s.source_rank),
+        ("local", half.local, lambda s: s.source_rank == rank == s.target_rank),
+    )
+    for role, segments, belongs in roles:
+        for s in segments:
+            if not 0 <= s.tensor < n:
+                return f"a {role} segment names tensor index {s.tensor}, the plan has {n} tensors"
+            t = half.tensors[s.tensor]
+            where = f"tensor {t.name!r}, {role} segment {s.source_rank}->{s.target_rank} extent {s.extent}"
+            if not belongs(s):
+                return f"{where} does not belong to the {role} segments of rank {rank}"
+            if len(s.source_strides) != len(s.extent) or len(s.target_strides) != len(s.extent):
+                return f"{where}: strides {s.source_strides}/{s.target_strides} do not match the extent"
+            if any(e < 0 for e in s.extent) or min((*s.source_strides, *s.target_strides, 0)) < 0:
+                return f"{where}: negative extent or stride"
+            if s.source_offset < 0 or s.target_offset < 0:
+                return f"{where}: negative offset"
+            sides = []
+            if role in ("sent", "local"):
+                sides.append(("source", t.source_storage, s.source_rank, s.source_offset, s.source_strides))
+            if role in ("received", "local"):
+                sides.append(("target", t.target_storage, s.target_rank, s.target_offset, s.target_strides))
+            for side, storages, owner, offset, strides in sides:
+                shape = storages.get(owner)
+                if shape is None:
+                    return f"{where}: the plan lists no {side} storage on rank {owner}"
+                reach = _reach(offset, s.extent, strides)
+                if reach > prod(shape):
+                    return (
+                        f"{where}: reaches {side} element {reach - 1}, the {side} storage on rank {owner}"
+                        f" has shape {tuple(shape)} ({prod(shape)} elements)"
+                    )
+    return None

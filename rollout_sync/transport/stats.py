@@ -1,0 +1,59 @@
+"""Options of the executor and the statistics one sync returns."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["DEFAULT_STAGING_CAP_BYTES", "ExecuteOptions", "SyncStats"]
+
+DEFAULT_STAGING_CAP_BYTES = 64 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class ExecuteOptions:
+    staging_cap_bytes: int = DEFAULT_STAGING_CAP_BYTES
+    """Bytes of pack and unpack buffers this rank may hold at once (all peers, both directions)."""
+    timeout: float = 300.0
+    """Seconds any single wait (the agreement, one message) may take before the sync fails: a peer that
+    dies or stalls becomes an error within this time on every rank waiting for it."""
+    overlap: bool = True
+    """Pack the next round while the current one is on the wire (two slots per peer and direction)."""
+    zero_copy: bool = True
+    """Send dense same-dtype segments straight from source storage into target storage, unstaged."""
+
+    def __post_init__(self) -> None:
+        if self.staging_cap_bytes <= 0:
+            raise ValueError(f"staging_cap_bytes must be positive, not {self.staging_cap_bytes}")
+        if not self.timeout > 0:
+            raise ValueError(f"timeout must be positive, not {self.timeout}")
+
+
+@dataclass(frozen=True, slots=True)
+class SyncStats:
+    """What one rank did in one sync. Byte counts are payload bytes on the wire (source dtype)."""
+
+    rank: int
+    bytes_sent: dict[int, int]
+    bytes_received: dict[int, int]
+    local_bytes: int
+    messages_sent: int
+    messages_received: int
+    rounds: int
+    peak_staging_bytes: int
+    staging_cap_bytes: int
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "rank": self.rank,
+            "bytes_sent": {str(k): v for k, v in self.bytes_sent.items()},
+            "bytes_received": {str(k): v for k, v in self.bytes_received.items()},
+            "local_bytes": self.local_bytes,
+            "messages_sent": self.messages_sent,
+            "messages_received": self.messages_received,
+            "rounds": self.rounds,
+            "peak_staging_bytes": self.peak_staging_bytes,
+            "staging_cap_bytes": self.staging_cap_bytes,
+            "seconds": dict(self.seconds),
+        }
