@@ -262,7 +262,7 @@ def _check_nd_storage(
                 expected=f"an offset inside [0, {numel}) of storage {sshape}",
                 found=f"offset {offset}",
             )
-        if strides == sstrides:
+        if strides == sstrides and all(map(le, extent, sshape)):
             lext_t = extent  # the storage's own axis order (the common case)
         else:
             lext_t = _permuted_extent(name, rank, box, sshape, sstrides, axis_of, strides)
