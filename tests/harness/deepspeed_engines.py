@@ -1,0 +1,278 @@
+"""Real DeepSpeed training engines on CPU ranks (gloo), built from a tiny checkpoint, for tests.
+
+``run_deepspeed(spec, model_path, check, world_size, *args)`` spawns ``world_size`` ranks with
+``run_on_ranks``; each rank initialises DeepSpeed's default process group (gloo), loads the checkpoint,
+builds the engine described by ``spec`` (ZeRO stage, AutoTP size, AutoEP size, bf16 or fp32) and returns
+``check(rank_ctx, *args)``. ``check`` must be a module-level function (ranks are spawned) and return
+something that pickles. ``rank_ctx`` is a ``DeepSpeedRank``: the engine, the rank, the world size, the
+``run_on_ranks`` group (a gloo group not registered with ``torch.distributed``) and the spec.
+
+Facts this module encodes (``/work/shared/notes/deepspeed-on-cpu.md``):
+- ``DS_ACCELERATOR=cpu``; ``deepspeed.init_distributed(dist_backend="gloo")``.
+- The optimizer is always a config optimizer with ``"torch_adam": true`` (or torch's SGD): a config AdamW
+  without it JIT-compiles FusedAdam (~160 s), and AutoEP needs a config optimizer (MoE param groups).
+- Every rank loads the full checkpoint with ``from_pretrained`` (the models are tiny). ZeRO-3 then either
+  partitions the loaded module inside ``deepspeed.initialize`` (default), or, with ``zero_init=True``,
+  builds the model inside ``zero.Init`` and copies the checkpoint in through ``GatheredParameters`` (the way
+  large models are built). transformers' own ZeRO-3 loading (``HfDeepSpeedConfig``) needs ``accelerate``,
+  which is not installed. Model classes are imported before ``zero.Init`` patches tensor construction.
+- DeepSpeed's ``TorchBackend`` JIT-compiles a shared-memory comm op (~60 s on the first run on a machine,
+  cached in ``~/.cache/torch_extensions`` afterwards). That op serves only ``inference_all_reduce`` (AutoTP
+  layers in inference mode); training collectives go through ``torch.distributed`` (gloo) either way, and
+  on a CPU without AVX-512 its bf16 path is not used at all. DeepSpeed has no switch to skip the build, so
+  by default the harness skips it by making ``deepspeed.comm.torch.build_shm_op`` return ``None`` in the
+  rank (exactly what DeepSpeed does on a machine where the op is not compatible).
+  ``ROLLOUT_SYNC_TEST_DS_SHM=1`` keeps the real build (paid once per machine, then cached).
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from tests.harness.ranks import run_on_ranks
+from tests.harness.tiny_models import TinyKind
+
+Dtype = Literal["bf16", "fp32"]
+Optimizer = Literal["adamw", "sgd"]
+
+_SHM_ENV = "ROLLOUT_SYNC_TEST_DS_SHM"
+
+
+@dataclass(frozen=True)
+class DeepSpeedSpec:
+    """One DeepSpeed training configuration on a tiny model.
+
+    ``extra_config`` is deep-merged into the generated DeepSpeed config (for knobs such as
+    ``zero_optimization.round_robin_gradients`` or bucket sizes).
+    """
+
+    kind: TinyKind = "dense"
+    zero_stage: int = 0
+    autotp_size: int = 1
+    autoep_size: int = 1
+    dtype: Dtype = "bf16"
+    optimizer: Optimizer = "adamw"
+    lr: float = 1e-3
+    zero_init: bool = False
+    extra_config: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.zero_stage not in (0, 1, 2, 3):
+            raise ValueError(f"zero_stage must be 0, 1, 2 or 3, found {self.zero_stage}")
+        if self.dtype not in ("bf16", "fp32"):
+            raise ValueError(f"dtype must be 'bf16' or 'fp32' (fp16 is refused on CPU), found {self.dtype!r}")
+        if self.autotp_size < 1 or self.autoep_size < 1:
+            raise ValueError(
+                f"autotp_size and autoep_size must be >= 1, found {self.autotp_size} and {self.autoep_size}"
+            )
+        if self.autoep_size > 1 and self.kind != "moe":
+            raise ValueError(f"AutoEP needs the 'moe' tiny model, found kind {self.kind!r}")
+
+    def ds_config(self) -> dict[str, Any]:
+        config: dict[str, Any] = {
+            "train_micro_batch_size_per_gpu": 1,
+            "gradient_accumulation_steps": 1,
+            "steps_per_print": 2**31 - 1,
+            "wall_clock_breakdown": False,
+            "zero_optimization": {"stage": self.zero_stage},
+            "bf16": {"enabled": self.dtype == "bf16"},
+        }
+        if self.optimizer == "adamw":
+            config["optimizer"] = {"type": "AdamW", "params": {"lr": self.lr, "torch_adam": True}}
+        else:
+            config["optimizer"] = {"type": "SGD", "params": {"lr": self.lr}}
+        if self.autotp_size > 1:
+            config["tensor_parallel"] = {"autotp_size": self.autotp_size}
+        if self.autoep_size > 1:
+            config["expert_parallel"] = {
+                "enabled": True,
+                "autoep_size": self.autoep_size,
+                "preset_model": "qwen3_moe",
+            }
+        return _deep_merge(config, self.extra_config)
+
+    @property
+    def torch_dtype_name(self) -> str:
+        return "bfloat16" if self.dtype == "bf16" else "float32"
+
+
+def _deep_merge(base: dict[str, Any], extra: Mapping[str, Any]) -> dict[str, Any]:
+    merged = copy.deepcopy(base)
+    for key, value in extra.items():
+        if isinstance(value, Mapping) and isinstance(merged.get(key), dict):
+            merged[key] = _deep_merge(merged[key], value)
+        else:
+            merged[key] = copy.deepcopy(value)
+    return merged
+
+
+@dataclass
+class DeepSpeedRank:
+    """What a check function receives inside one rank."""
+
+    rank: int
+    world_size: int
+    group: Any
+    spec: DeepSpeedSpec
+    model_path: Path
+    engine: Any
+    #: Seconds from entering the rank to a ready engine (includes imports and process-group set-up).
+    startup_s: float
+
+
+def _agree_on_port(rank: int, group: Any) -> int:
+    """Rank 0 picks a free TCP port for DeepSpeed's default group and broadcasts it over ``group``."""
+    import socket
+
+    import torch
+    import torch.distributed as dist
+
+    port = torch.zeros(1, dtype=torch.int64)
+    if rank == 0:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind(("127.0.0.1", 0))
+            port[0] = sock.getsockname()[1]
+    opts = dist.BroadcastOptions()
+    opts.rootRank = 0
+    group.broadcast([port], opts).wait()
+    return int(port.item())
+
+
+def _skip_shm_build_unless_asked() -> None:
+    if os.environ.get(_SHM_ENV, "0") == "1":
+        return
+    import deepspeed.comm.torch as ds_torch_comm
+
+    ds_torch_comm.build_shm_op = lambda: None
+
+
+def init_deepspeed_distributed(rank: int, world_size: int, group: Any) -> None:
+    """Initialise DeepSpeed's default (gloo) process group in a ``run_on_ranks`` rank."""
+    os.environ["DS_ACCELERATOR"] = "cpu"
+    import deepspeed
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return
+    port = _agree_on_port(rank, group)
+    os.environ.update(
+        {
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": str(world_size),
+            "LOCAL_WORLD_SIZE": str(world_size),
+        }
+    )
+    _skip_shm_build_unless_asked()
+    deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False, verbose=False)
+
+
+def build_engine(spec: DeepSpeedSpec, model_path: str | os.PathLike[str]) -> Any:
+    """Load the checkpoint and build the DeepSpeed engine for ``spec`` (inside an initialised rank)."""
+    os.environ["DS_ACCELERATOR"] = "cpu"
+    import deepspeed
+    import torch
+
+    # Import the model classes before zero.Init patches tensor construction (see module doc).
+    from transformers import AutoConfig, AutoModelForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM  # noqa: F401
+
+    config = spec.ds_config()
+    dtype = torch.bfloat16 if spec.dtype == "bf16" else torch.float32
+    loaded = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=dtype)
+    if spec.zero_stage == 3 and spec.zero_init:
+        model = _rebuild_under_zero_init(loaded, AutoConfig.from_pretrained(str(model_path)), config, dtype)
+    else:
+        model = loaded
+    engine, _, _, _ = deepspeed.initialize(model=model, config=config, model_parameters=model.parameters())
+    return engine
+
+
+def _rebuild_under_zero_init(loaded: Any, hf_config: Any, ds_config: dict[str, Any], dtype: Any) -> Any:
+    """Build the model inside ``zero.Init`` (parameters partitioned at construction, as large models are
+    built) and copy the loaded checkpoint into it, one gathered parameter at a time.
+
+    transformers' initialisers index into parameters (``weight[padding_idx].zero_()``), which fails on an
+    empty ZeRO-3 partition, so they are switched off with ``no_init_weights`` (transformers' own switch for
+    this case); that also skips weight tying, which is redone here."""
+    import deepspeed
+    import torch
+    from transformers import AutoModelForCausalLM
+    from transformers.initialization import no_init_weights
+
+    with no_init_weights(), deepspeed.zero.Init(config_dict_or_path=ds_config, dtype=dtype):
+        model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
+    if getattr(hf_config, "tie_word_embeddings", False):
+        model.tie_weights()
+    source = dict(loaded.named_parameters())
+    for name, param in model.named_parameters():
+        with deepspeed.zero.GatheredParameters([param], modifier_rank=0), torch.no_grad():
+            param.copy_(source[name])
+    buffers = dict(loaded.named_buffers())
+    with torch.no_grad():
+        for name, buffer in model.named_buffers():
+            buffer.copy_(buffers[name])
+    return model
+
+
+def train_step(engine: Any, seed: int = 0, batch: int = 1, seq_len: int = 16, vocab: int = 1000) -> float:
+    """One forward, backward and optimizer step on random tokens drawn from ``seed`` (the same on every
+    rank, so that tensor- and expert-parallel ranks see the same batch); returns the loss."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(4, vocab, (batch, seq_len), generator=gen).to(engine.device)
+    loss = engine(input_ids=input_ids, labels=input_ids).loss
+    engine.backward(loss)
+    engine.step()
+    return float(loss.detach().float().item())
+
+
+def _ds_rank_main(
+    rank: int,
+    world_size: int,
+    group: Any,
+    spec: DeepSpeedSpec,
+    model_path: str,
+    check: Callable[..., Any],
+    args: tuple[Any, ...],
+) -> Any:
+    import time
+
+    started = time.perf_counter()
+    init_deepspeed_distributed(rank, world_size, group)
+    engine = build_engine(spec, model_path)
+    ctx = DeepSpeedRank(
+        rank=rank,
+        world_size=world_size,
+        group=group,
+        spec=spec,
+        model_path=Path(model_path),
+        engine=engine,
+        startup_s=time.perf_counter() - started,
+    )
+    return check(ctx, *args)
+
+
+def run_deepspeed(
+    spec: DeepSpeedSpec,
+    model_path: str | os.PathLike[str],
+    check: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout: float = 600.0,
+) -> list[Any]:
+    """Build the engine of ``spec`` on ``world_size`` CPU ranks and return ``check(rank_ctx, *args)`` of
+    each rank, in rank order. Raises what a rank raised (see ``run_on_ranks``)."""
+    if world_size % spec.autotp_size or world_size % spec.autoep_size:
+        raise ValueError(
+            f"world size {world_size} must be a multiple of autotp_size {spec.autotp_size} and "
+            f"of autoep_size {spec.autoep_size}"
+        )
+    return run_on_ranks(_ds_rank_main, world_size, spec, str(model_path), check, args, timeout=timeout)

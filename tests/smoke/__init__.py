@@ -1,0 +1,1 @@
+"""Smoke tests: the harness brings up real ranks, DeepSpeed engines and vLLM engines on this machine."""
