@@ -1,0 +1,162 @@
+"""One rank's membership of the sync group, on either side.
+
+``Endpoint.join`` runs the peer side of the handshake (hello with this rank's maps, welcome with its global
+rank, the group's address and its half of the plan), joins the process group and says ready. After that,
+``Endpoint.run`` executes the half at every sync and commits: every rank learns whether every other rank
+completed, and the weight version the trainer sent.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..errors import HandshakeError, PlanMismatchError, RolloutSyncError
+from ..handshake import Peer
+from ..planning.plan import PlanHalf
+from ..planning.wire import decode_half
+from ..transport import ExecuteOptions, Executor, SyncStats
+from ..transport.groups import connect_store, new_group
+from .commit import commit
+
+TOKEN_ENV = "ROLLOUT_SYNC_TOKEN"
+
+
+def resolve_token(token: str | None) -> str:
+    """The shared token: the argument, else the ``ROLLOUT_SYNC_TOKEN`` environment variable."""
+    import os
+
+    token = token or os.environ.get(TOKEN_ENV, "")
+    if not token:
+        raise HandshakeError(f"a shared token is required: pass token=... or set {TOKEN_ENV}")
+    return token
+
+
+@dataclass(frozen=True)
+class SyncResult:
+    version: int
+    stats: SyncStats
+    seconds: float
+
+
+class Endpoint:
+    def __init__(
+        self,
+        *,
+        rank: int,
+        world_size: int,
+        trainer_ranks: int,
+        group: Any,
+        half: PlanHalf,
+        options: ExecuteOptions,
+        device: Any = "cpu",
+    ) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self.trainer_ranks = trainer_ranks
+        self.group = group
+        self.half = half
+        self.options = options
+        self.device = device
+        self.executor = Executor(group, options)
+
+    @classmethod
+    def join(
+        cls,
+        address: str,
+        *,
+        token: str,
+        role: str,
+        group: int,
+        local_rank: int,
+        local_size: int,
+        payload: bytes,
+        fields: Mapping[str, Any] | None = None,
+        timeout: float = 120.0,
+        options: ExecuteOptions | None = None,
+    ) -> Endpoint:
+        peer = Peer(address, token=token, timeout=timeout)
+        try:
+            welcome = peer.hello(
+                role=role,
+                group=group,
+                local_rank=local_rank,
+                local_size=local_size,
+                fields=dict(fields or {}),
+                payload=payload,
+            )
+            f = welcome.fields
+            rank, world, trainers = int(f["rank"]), int(f["world_size"]), int(f["trainer_ranks"])
+            half = decode_half(welcome.payload)
+            if half.digest != f["digest"] or half.rank != rank:
+                peer.failed(f"rank {rank}: the half received does not belong to plan {f['digest'][:12]}")
+                raise PlanMismatchError(
+                    f"rank {rank}: received the half of rank {half.rank} of plan {half.digest[:12]}, "
+                    f"expected rank {rank} of plan {str(f['digest'])[:12]}"
+                )
+            try:
+                store = connect_store(
+                    str(f["store_host"]), int(f["store_port"]), world, is_master=False, timeout=timeout
+                )
+                pg = new_group(store, rank, world, backend=str(f["backend"]), timeout=timeout)
+            except Exception as exc:
+                peer.failed(f"rank {rank} could not join the sync group: {exc}")
+                raise
+            peer.ready()
+        finally:
+            peer.close()
+        device = torch.device("cuda", torch.cuda.current_device()) if f["backend"] == "nccl" else "cpu"
+        return cls(
+            rank=rank,
+            world_size=world,
+            trainer_ranks=trainers,
+            group=pg,
+            half=half,
+            options=options or ExecuteOptions(timeout=timeout),
+            device=device,
+        )
+
+    def run(
+        self,
+        sources: Mapping[str, torch.Tensor],
+        targets: Mapping[str, torch.Tensor],
+        version: int = -1,
+    ) -> SyncResult:
+        """Execute this rank's half, then commit. Returns the version the trainer ranks sent; raises on every
+        rank if any rank failed (a rank whose agreement refused the plan raises the same error everywhere)."""
+        start = time.perf_counter()
+        try:
+            stats = self.executor.execute(self.half, sources, targets)
+        except PlanMismatchError:
+            raise  # raised on every rank by the agreement: no commit follows
+        except (RolloutSyncError, RuntimeError) as exc:
+            reason = f"{type(exc).__name__}: {exc}"
+            with contextlib.suppress(RolloutSyncError):
+                commit(
+                    self.group,
+                    rank=self.rank,
+                    world=self.world_size,
+                    trainer_ranks=self.trainer_ranks,
+                    version=version,
+                    ok=False,
+                    reason=reason,
+                    timeout=min(self.options.timeout, 10.0),
+                    device=self.device,
+                )
+            raise
+        agreed = commit(
+            self.group,
+            rank=self.rank,
+            world=self.world_size,
+            trainer_ranks=self.trainer_ranks,
+            version=version,
+            ok=True,
+            timeout=self.options.timeout,
+            device=self.device,
+        )
+        return SyncResult(agreed, stats, time.perf_counter() - start)

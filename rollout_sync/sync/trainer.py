@@ -1,0 +1,144 @@
+"""The trainer hook: attach rollout-sync to a DeepSpeed engine in a few lines.
+
+    sync = TrainerSync.attach(engine, address="tcp://127.0.0.1:29700", engines=1, token=...)
+    ...
+    engine.backward(loss); engine.step()      # syncs after each applied optimizer step
+    sync.sync()                               # or explicitly
+
+Every trainer rank calls ``attach`` (collectively with the rollout side's connect). Trainer rank 0 also
+runs the coordinator, bound to the address's host and port (loopback unless told otherwise). Each rank
+describes its storage with ``rollout_sync.trainer.trainer_storage`` (no collective), joins the handshake,
+and keeps the views of DeepSpeed's own buffers: a sync reads the buffers the engine trains, in place.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+from urllib.parse import urlparse
+
+from ..errors import HandshakeError
+from ..handshake import TRAINER, Coordinator
+from ..planning.policy import ReplicaPolicy
+from ..planning.wire import encode_maps
+from ..transport import DEFAULT_STAGING_CAP_BYTES, ExecuteOptions
+from .coordination import Coordinated, coordinate, maps_digest
+from .endpoint import Endpoint, SyncResult, resolve_token
+from .step_hook import StepHook
+
+
+def _host_port(address: str) -> tuple[str, int]:
+    url = urlparse(address)
+    if url.scheme != "tcp" or not url.hostname or not url.port:
+        raise ValueError(f"the coordinator address must look like tcp://HOST:PORT, not {address!r}")
+    return url.hostname, url.port
+
+
+class TrainerSync:
+    def __init__(
+        self, engine: Any, endpoint: Endpoint, sources: dict[str, Any], coordinated: Coordinated | None
+    ):
+        self.engine = engine
+        self.endpoint = endpoint
+        self.sources = sources
+        self.coordinated = coordinated
+        self.hook: StepHook | None = None
+        self.last: SyncResult | None = None
+        self.history: list[SyncResult] = []
+
+    @classmethod
+    def attach(
+        cls,
+        engine: Any,
+        *,
+        address: str,
+        engines: int,
+        token: str | None = None,
+        every: int | None = 1,
+        policy: ReplicaPolicy = "balanced",
+        staging_cap_bytes: int = DEFAULT_STAGING_CAP_BYTES,
+        timeout: float = 120.0,
+        backend: str = "gloo",
+        state: str = "param",
+    ) -> TrainerSync:
+        """Join the sync group. ``engines``: how many vLLM engines take part; ``every``: sync after every
+        N-th applied optimizer step (``None``: only explicit ``sync()`` calls); ``state``: which trainer
+        state to send (``param`` for the low-precision weights, ``fp32`` for the master weights)."""
+        import torch.distributed as dist
+
+        from ..trainer.storage import trainer_storage
+
+        token = resolve_token(token)
+        host, port = _host_port(address)
+        rank, world = dist.get_rank(), dist.get_world_size()
+        maps, sources = trainer_storage(engine, state)
+        payload = encode_maps(maps)
+        coordinated: dict[str, Any] = {}
+        thread = None
+        if rank == 0:
+            coord = Coordinator(
+                token=token, trainer_world=world, engines=engines, host=host, port=port, timeout=timeout
+            )
+
+            def serve() -> None:
+                try:
+                    coordinated["value"] = coordinate(
+                        coord, policy=policy, store_host=host, backend=backend, timeout=timeout
+                    )
+                except BaseException as exc:
+                    coordinated["error"] = exc
+                finally:
+                    coord.close()
+
+            thread = threading.Thread(target=serve, name="rollout-sync-coordinator", daemon=True)
+            thread.start()
+        options = ExecuteOptions(staging_cap_bytes=staging_cap_bytes, timeout=timeout)
+        try:
+            endpoint = Endpoint.join(
+                address,
+                token=token,
+                role=TRAINER,
+                group=0,
+                local_rank=rank,
+                local_size=world,
+                payload=payload if rank == 0 else b"",
+                fields={"maps_digest": maps_digest(payload)},
+                timeout=timeout,
+                options=options,
+            )
+        except HandshakeError as exc:
+            if thread is not None:
+                thread.join(timeout)
+                if "error" in coordinated:
+                    raise coordinated["error"] from exc
+            raise
+        if thread is not None:
+            thread.join(timeout)
+            if "error" in coordinated:
+                raise coordinated["error"]
+        self = cls(engine, endpoint, sources, coordinated.get("value"))
+        if every is not None:
+            self.hook = StepHook(engine, self._after_step, every=every)
+        return self
+
+    def _after_step(self, version: int) -> None:
+        self.sync(version)
+
+    def sync(self, version: int | None = None) -> SyncResult:
+        """Send this rank's half now; returns once every rank of the group has committed the sync."""
+        if version is None:
+            version = int(getattr(self.engine, "global_steps", 0))
+        result = self.endpoint.run(self.sources, {}, version)
+        self.last = result
+        self.history.append(result)
+        return result
+
+    @property
+    def plan(self) -> Any:
+        """The whole plan (trainer rank 0 only; None elsewhere)."""
+        return self.coordinated.plan if self.coordinated else None
+
+    def detach(self) -> None:
+        if self.hook is not None:
+            self.hook.detach()
+            self.hook = None
