@@ -98,12 +98,12 @@ def _autotp_split(
 
 def _reused(cache: dict[object, TensorMap], key: object, t: LogicalTensor, dtype: str) -> TensorMap | None:
     """Maps of tensors with the same layout facts differ only by name: the first is built, later ones
-    reuse its (immutable) storages and pieces under a fresh ``ranks`` dict. Keeps whole-model builds cheap
+    reuse its (immutable) storages and pieces. Keeps whole-model builds cheap
     (the 36 layers of Qwen3-8B, the 61 layers of Kimi-K2 share their structures)."""
     got = cache.get(key)
     if got is None:
         return None
-    return TensorMap(t.name, t.shape, dtype, dict(got.ranks))
+    return TensorMap(t.name, t.shape, dtype, got.ranks)  # the same storage objects: validation is memoized
 
 
 def trainer_maps(
@@ -216,7 +216,7 @@ def _trainer_expert(
         )
     local = model.num_experts // ep
     ep_rank, idx = divmod(e, local)
-    edp_ranks = tuple(r for r in dp_ranks if dp_ranks.index(r) % ep == ep_rank)
+    edp_ranks = dp_ranks[ep_rank::ep]  # expert-DP group of this EP rank, in expert-DP rank order
     layout = Layout(t.name, t.shape, {ep_rank: whole})
     storage: ShardStorage
     if zero_stage != 3:
