@@ -111,3 +111,8 @@ class SyncTimeoutError(RolloutSyncError, TimeoutError):
 class HandshakeError(RolloutSyncError, RuntimeError):
     """The handshake refused a peer (wrong token, another message version, an unexpected or duplicate
     peer) or was aborted by the coordinator."""
+
+
+class IncompleteUpdateError(RolloutSyncError, RuntimeError):
+    """A weight update on the rollout side cannot be completed correctly (for example it wrote only part of a
+    parameter whose derived layout must be rebuilt from all of it). The new weight version is not claimed."""

@@ -1,0 +1,191 @@
+"""Writing received elements into a rollout worker's storage, in place, and rebuilding derived copies.
+
+No vLLM import: storages are plain tensors (views of the engine's parameters, located by
+``StorageView``), pieces and segments are ``torch.as_strided`` addresses, and the engine-specific steps
+(how a derived copy is rebuilt, how a refused tensor is loaded) come in as callables.
+
+An update is one ``UpdateSession``: ``storage(name)`` hands out the view to receive into (a staging
+buffer for a refused tensor), ``mark_written(name)`` records what arrived, and ``finish()`` loads the
+staging buffers through the full-tensor path, then rebuilds every derived copy whose parameters were
+written. A derived copy that lives *in place* of its parameter (vLLM's CPU MoE prepack: same shape, other
+layout) can only be rebuilt from a parameter written whole; ``finish`` refuses a partial write of one
+(``IncompleteUpdateError``) rather than mix layouts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import IncompleteUpdateError, OutOfBoundsError, UnsupportedLayoutError
+from ..layout.maps import Piece, RankStorage
+from .probe import StorageView
+
+__all__ = [
+    "DerivedCopy",
+    "UpdateSession",
+    "covered_ranges",
+    "piece_view",
+    "storage_tensor",
+    "torch_dtype",
+    "uncovered_ranges",
+    "write_pieces",
+    "write_segment",
+]
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """``"bfloat16"`` -> ``torch.bfloat16``; raises ``ValueError`` for an unknown name."""
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"unknown dtype name {name!r}")
+    return dtype
+
+
+def storage_tensor(param: torch.Tensor, view: StorageView, *, tensor: str, rank: int) -> torch.Tensor:
+    """The storage ``view`` inside ``param`` (the parameter's real data): a contiguous view, no copy."""
+    if not param.is_contiguous():
+        raise UnsupportedLayoutError(
+            "a storage view needs a contiguous parameter",
+            tensor=tensor,
+            rank=rank,
+            expected="contiguous",
+            found=f"parameter {view.param!r} with strides {tuple(param.stride())}",
+        )
+    if view.offset < 0 or view.offset + view.numel > param.numel():
+        raise OutOfBoundsError(
+            "storage view runs past its parameter",
+            tensor=tensor,
+            rank=rank,
+            expected=f"[{view.offset}, {view.offset + view.numel}) inside {param.numel()} elements",
+            found=f"parameter {view.param!r} of shape {tuple(param.shape)}",
+        )
+    return param.view(-1)[view.offset : view.offset + view.numel].view(view.shape)
+
+
+def piece_view(storage: torch.Tensor, piece: Piece) -> torch.Tensor:
+    """The elements of ``piece`` inside ``storage`` (a view), shaped like its box."""
+    return torch.as_strided(storage, piece.box.extent, piece.strides, storage.storage_offset() + piece.offset)
+
+
+def write_segment(
+    storage: torch.Tensor, offset: int, strides: tuple[int, ...], extent: tuple[int, ...], data: torch.Tensor
+) -> None:
+    """Copy a received box into ``storage`` at ``(offset, strides)`` (a segment's target address)."""
+    dst = torch.as_strided(storage, extent, strides, storage.storage_offset() + offset)
+    dst.copy_(data.view(extent) if data.shape != torch.Size(extent) else data)
+
+
+def write_pieces(storage: torch.Tensor, rank_storage: RankStorage, full: torch.Tensor) -> int:
+    """Copy this rank's pieces of the whole logical tensor ``full`` into ``storage``; returns elements
+    written. This is how a worker applies a checkpoint through its maps; a sync writes the same addresses
+    segment by segment."""
+    written = 0
+    for piece in rank_storage.pieces:
+        box = piece.box
+        src = full[tuple(slice(o, o + e) for o, e in zip(box.origin, box.extent, strict=True))]
+        piece_view(storage, piece).copy_(src)
+        written += box.numel
+    return written
+
+
+def covered_ranges(views: Iterable[StorageView], param: str) -> list[tuple[int, int]]:
+    """Sorted flat ranges of ``param`` that some storage view covers."""
+    return sorted((v.offset, v.offset + v.numel) for v in views if v.param == param)
+
+
+def uncovered_ranges(numel: int, covered: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The flat ranges of a parameter of ``numel`` elements that no storage covers (padding)."""
+    out = []
+    cursor = 0
+    for start, stop in sorted(covered):
+        if start > cursor:
+            out.append((cursor, start))
+        cursor = max(cursor, stop)
+    if cursor < numel:
+        out.append((cursor, numel))
+    return out
+
+
+@dataclass(frozen=True)
+class DerivedCopy:
+    """A copy the engine derived from some parameters at load time, rebuilt after they are written.
+
+    ``in_place``: the copy replaced the parameter's own contents (same shape, another layout), so it can
+    only be rebuilt from a parameter whose every storage was written in this update.
+    """
+
+    name: str
+    params: frozenset[str]
+    refresh: Callable[[], None]
+    in_place: bool
+
+
+class UpdateSession:
+    """One weight update on one rank. Not thread-safe; one session at a time per worker."""
+
+    def __init__(
+        self,
+        rank: int,
+        views: Mapping[str, StorageView],
+        dtypes: Mapping[str, str],
+        params: Mapping[str, torch.Tensor],
+        derived: Sequence[DerivedCopy],
+        load_full: Callable[[Sequence[tuple[str, torch.Tensor]]], None],
+    ) -> None:
+        self.rank = rank
+        self.views = views
+        self.dtypes = dtypes
+        self.params = params
+        self.derived = derived
+        self.load_full = load_full
+        self.written: set[str] = set()
+        self.staging: dict[str, torch.Tensor] = {}
+
+    def storage(self, name: str) -> torch.Tensor:
+        """The tensor to receive ``name``'s elements into (a view of a parameter, or a staging buffer)."""
+        view = self.views.get(name)
+        if view is None:
+            raise KeyError(f"rank {self.rank} holds no storage of tensor {name!r}")
+        if view.param is None:
+            buf = self.staging.get(name)
+            if buf is None:
+                some = next(iter(self.params.values()), None)
+                device = some.device if some is not None else torch.device("cpu")
+                buf = torch.empty(view.shape, dtype=torch_dtype(self.dtypes[name]), device=device)
+                self.staging[name] = buf
+            return buf
+        return storage_tensor(self.params[view.param], view, tensor=name, rank=self.rank)
+
+    def mark_written(self, name: str) -> None:
+        if name not in self.views:
+            raise KeyError(f"rank {self.rank} holds no storage of tensor {name!r}")
+        self.written.add(name)
+
+    def finish(self) -> list[str]:
+        """Load the staging buffers through the full-tensor path, then rebuild the derived copies of every
+        written parameter; returns the names of the copies rebuilt. Raises ``IncompleteUpdateError`` when an
+        in-place derived copy would be rebuilt from a partly written parameter (before rebuilding any)."""
+        touched = {self.views[n].param for n in self.written if self.views[n].param is not None}
+        due = [d for d in self.derived if d.params & touched]
+        for d in due:
+            if not d.in_place:
+                continue
+            missing = sorted(
+                n for n, v in self.views.items() if v.param in d.params and n not in self.written
+            )
+            if missing:
+                raise IncompleteUpdateError(
+                    f"rank {self.rank}: {d.name} must be rebuilt from whole parameters "
+                    f"{sorted(d.params)}, but this update did not write {len(missing)} of their tensors "
+                    f"(first: {missing[:3]}); the weights of this rank are now inconsistent"
+                )
+        staged = [(n, buf) for n, buf in self.staging.items() if n in self.written]
+        if staged:
+            self.load_full(staged)
+        self.staging.clear()
+        for d in due:
+            d.refresh()
+        return [d.name for d in due]

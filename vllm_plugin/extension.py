@@ -1,0 +1,77 @@
+"""The vLLM worker extension: ``--worker-extension-cls vllm_plugin.extension.RolloutSyncExtension`` (server)
+or ``LLM(worker_extension_cls="vllm_plugin.extension.RolloutSyncExtension")`` (offline).
+
+vLLM mixes this class into its worker class and refuses to start if a name collides with the worker's, so
+every method and attribute is prefixed ``rollout_sync_``. Each method is a thin shell: it reads the worker's
+model, TP rank and config, and delegates to ``vllm_plugin.worker_state.RolloutWorker``. Results are plain
+JSON-able data, so they travel through ``collective_rpc`` offline and over HTTP alike. Call them with
+``llm.collective_rpc("rollout_sync_setup", kwargs={"first_rank": ...})``; ``vllm_plugin.driver`` wraps the
+calls for several engines.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from rollout_sync.errors import IncompleteUpdateError
+from rollout_sync.rollout.probe import DEFAULT_MAX_PIECES
+
+from .worker_state import RolloutWorker
+
+__all__ = ["RolloutSyncExtension"]
+
+
+class RolloutSyncExtension:
+    """Worker extension: target maps of this worker and in-place weight updates."""
+
+    rollout_sync_worker: RolloutWorker | None = None
+
+    def rollout_sync_get(self) -> RolloutWorker:
+        worker = self.rollout_sync_worker
+        if worker is None:
+            raise IncompleteUpdateError("rollout_sync_setup has not run on this worker")
+        return worker
+
+    def rollout_sync_setup(
+        self,
+        first_rank: int = 0,
+        tensors: Mapping[str, Sequence[int]] | None = None,
+        max_pieces: int = DEFAULT_MAX_PIECES,
+    ) -> dict[str, Any]:
+        """Probe vLLM's loaders and build this worker's targets; this worker is global rank ``first_rank +
+        tp_rank``. Returns a summary (rank, refused tensors with reasons, derived copies, probe time)."""
+        from vllm.distributed.parallel_state import get_tp_group
+
+        worker = RolloutWorker.setup(
+            self.model_runner.model,  # type: ignore[attr-defined]
+            self.vllm_config,  # type: ignore[attr-defined]
+            tp_rank=get_tp_group().rank_in_group,
+            first_rank=first_rank,
+            tensors=tensors,
+            max_pieces=max_pieces,
+        )
+        self.rollout_sync_worker = worker
+        return worker.summary()
+
+    def rollout_sync_local_targets(self) -> dict[str, Any]:
+        """This worker's part of every target map, with storage views (``rollout_sync.rollout.codec``)."""
+        return self.rollout_sync_get().local_targets_dict()
+
+    def rollout_sync_apply_checkpoint(self, path: str, names: Sequence[str] | None = None) -> dict[str, Any]:
+        """Write a checkpoint's tensors into this worker's parameters through the maps (in place), rebuild
+        derived copies. The caller resets the prefix cache afterwards (``LLM.reset_prefix_cache``)."""
+        return self.rollout_sync_get().apply_checkpoint(path, names)
+
+    def rollout_sync_param_digests(self) -> dict[str, str]:
+        """SHA-256 of every parameter's bytes (bit-for-bit comparison between engines)."""
+        if self.rollout_sync_worker is not None:
+            return self.rollout_sync_worker.param_digests()
+        from .worker_state import param_digest
+
+        model = self.model_runner.model  # type: ignore[attr-defined]
+        return {n: param_digest(p.data) for n, p in model.named_parameters()}
+
+    def rollout_sync_uncovered(self) -> dict[str, list[list[int]]]:
+        """Per parameter, the flat element ranges no storage view covers (padding the sync never writes)."""
+        return {n: [list(r) for r in ranges] for n, ranges in self.rollout_sync_get().uncovered().items()}

@@ -1,0 +1,29 @@
+"""Entry point of the ``vllm.general_plugins`` group (declared in ``pyproject.toml``): registers the
+``rollout_sync`` weight-transfer backend with vLLM, so that ``weight_transfer_config={"backend":
+"rollout_sync"}`` (``--weight-transfer-config '{"backend": "rollout_sync"}'``) selects it.
+
+vLLM loads general plugins in every process (driver, engine core, workers), possibly several times per
+process: registration is idempotent. The engine module is imported lazily, only where an engine is
+created.
+"""
+
+from __future__ import annotations
+
+__all__ = ["BACKEND", "register"]
+
+BACKEND = "rollout_sync"
+
+
+def register() -> None:
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+    registry = getattr(WeightTransferEngineFactory, "_registry", {})
+    if BACKEND in registry:
+        return
+    try:
+        WeightTransferEngineFactory.register_engine(
+            BACKEND, "vllm_plugin.weight_transfer", "RolloutSyncWeightTransferEngine"
+        )
+    except ValueError:  # registered meanwhile (vLLM raises on duplicates)
+        if BACKEND not in getattr(WeightTransferEngineFactory, "_registry", {}):
+            raise

@@ -1,0 +1,235 @@
+"""The rollout side inside one vLLM worker: its target maps, its derived copies and its weight updates.
+
+``RolloutWorker`` is a plain object built from the worker's model and config. The worker extension and the
+weight-transfer engine are thin shells around it (they import vLLM, this module touches vLLM only through
+the model object and the two helpers it calls: the probe and the derived-copy finder).
+
+Global ranks: an engine's workers are numbered in TP-rank order from the ``first_rank`` given at setup
+(rollout ranks come after trainer ranks; engines one after another).
+
+No generation may run while weights are written. Inside one ``collective_rpc`` this holds by construction
+(the engine core runs utility calls between steps). An update spread over several calls (``begin`` ...
+``finish``, as vLLM's ``start_weight_update`` / ``update_weights`` / ``finish_weight_update``) must be
+bracketed by the caller with vLLM's pause (``/pause`` ... ``/resume`` on a server, which also clears the
+prefix cache); should a forward run anyway while an update is open, a forward pre-hook raises instead of
+generating from half-written weights.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rollout_sync.errors import IncompleteUpdateError, UnsupportedLayoutError
+from rollout_sync.rollout.apply import (
+    DerivedCopy,
+    UpdateSession,
+    covered_ranges,
+    uncovered_ranges,
+    write_pieces,
+)
+from rollout_sync.rollout.checkpoint import logical_tensors, read_tensors
+from rollout_sync.rollout.codec import local_targets_to_dict
+from rollout_sync.rollout.probe import DEFAULT_MAX_PIECES, LocalTargets, local_targets
+
+__all__ = ["RolloutWorker", "param_digest"]
+
+
+def param_digest(t: torch.Tensor) -> str:
+    """SHA-256 of a tensor's bytes, dtype and shape (bit-for-bit comparison across processes)."""
+    data = t.detach().contiguous().cpu()
+    h = hashlib.sha256(f"{data.dtype}{tuple(data.shape)}".encode())
+    if data.numel():
+        h.update(data.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def _model_checkpoint_dir(vllm_config: Any) -> Path:
+    path = Path(str(vllm_config.model_config.model))
+    if path.is_dir():
+        return path
+    raise ValueError(
+        f"the engine's model {str(path)!r} is not a local directory; pass the logical tensors "
+        "(name -> shape) to setup explicitly"
+    )
+
+
+class RolloutWorker:
+    """Target maps and weight updates of one vLLM worker."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        targets: LocalTargets,
+        derived: Sequence[DerivedCopy],
+        *,
+        tp_rank: int,
+        probe_seconds: float,
+    ) -> None:
+        self.model = model
+        self.targets = targets
+        self.derived = list(derived)
+        self.tp_rank = tp_rank
+        self.probe_seconds = probe_seconds
+        self.session: UpdateSession | None = None
+        self.updates = 0
+        self._guard: Any = None
+
+    @property
+    def rank(self) -> int:
+        return self.targets.rank
+
+    @classmethod
+    def setup(
+        cls,
+        model: torch.nn.Module,
+        vllm_config: Any,
+        *,
+        tp_rank: int,
+        first_rank: int,
+        tensors: Mapping[str, Sequence[int]] | None = None,
+        max_pieces: int = DEFAULT_MAX_PIECES,
+    ) -> RolloutWorker:
+        """Probe the model's loaders and build this worker's targets. ``tensors``: logical tensor name ->
+        shape; by default every tensor of the checkpoint the engine was started from."""
+        from .derived import check_writable, derived_copies
+        from .probing import probe_model
+
+        parallel = vllm_config.parallel_config
+        if parallel.pipeline_parallel_size != 1:
+            raise UnsupportedLayoutError(
+                "pipeline parallel vLLM engines are not supported",
+                expected="pipeline_parallel_size 1",
+                found=parallel.pipeline_parallel_size,
+            )
+        if first_rank < 0:
+            raise ValueError(f"first_rank must be >= 0, found {first_rank}")
+        if tensors is None:
+            shapes = {n: s for n, (s, _) in logical_tensors(_model_checkpoint_dir(vllm_config)).items()}
+        else:
+            shapes = {str(n): tuple(int(x) for x in s) for n, s in tensors.items()}
+        check_writable(model)
+        result = probe_model(model, shapes)
+        model_dtype = str(vllm_config.model_config.dtype).removeprefix("torch.")
+        described = {n: (s, result.dtypes.get(n, model_dtype)) for n, s in shapes.items()}
+        targets = local_targets(
+            first_rank + tp_rank,
+            described,
+            result.landings,
+            result.errors,
+            fallback_dtype=model_dtype,
+            max_pieces=max_pieces,
+        )
+        derived = derived_copies(model, targets.views)
+        return cls(model, targets, derived, tp_rank=tp_rank, probe_seconds=result.seconds)
+
+    # ------------------------------------------------------------------------------------------ reports
+
+    def summary(self) -> dict[str, Any]:
+        """JSON-able facts about this worker's targets."""
+        in_place = [n for n, v in self.targets.views.items() if v.param is not None]
+        return {
+            "rank": self.rank,
+            "tp_rank": self.tp_rank,
+            "in_place": len(in_place),
+            "refused": dict(self.targets.refused),
+            "absent": list(self.targets.absent),
+            "derived": [d.name for d in self.derived],
+            "probe_seconds": self.probe_seconds,
+        }
+
+    def local_targets_dict(self) -> dict[str, Any]:
+        return local_targets_to_dict(self.targets)
+
+    def params(self) -> dict[str, torch.Tensor]:
+        return {n: p.data for n, p in self.model.named_parameters()}
+
+    def uncovered(self) -> dict[str, list[tuple[int, int]]]:
+        """Per parameter holding some storage, the flat ranges no storage covers (padding)."""
+        views = list(self.targets.views.values())
+        out = {}
+        for name, data in self.params().items():
+            covered = covered_ranges(views, name)
+            if covered:
+                out[name] = uncovered_ranges(data.numel(), covered)
+        return out
+
+    def param_digests(self) -> dict[str, str]:
+        return {n: param_digest(t) for n, t in self.params().items()}
+
+    # ------------------------------------------------------------------------------------------ updates
+
+    def begin(self) -> UpdateSession:
+        """Open a weight update; forwards raise until ``finish`` or ``abort``."""
+        if self.session is not None:
+            raise IncompleteUpdateError(f"rank {self.rank}: a weight update is already open")
+
+        def load_full(staged: Sequence[tuple[str, torch.Tensor]]) -> None:
+            with torch.no_grad():
+                self.model.load_weights(list(staged))  # type: ignore[operator]
+
+        self.session = UpdateSession(
+            self.rank,
+            self.targets.views,
+            {n: m.dtype for n, m in self.targets.maps.items()},
+            self.params(),
+            self.derived,
+            load_full,
+        )
+        rank = self.rank
+
+        def refuse_forward(module: torch.nn.Module, args: Any) -> None:
+            raise IncompleteUpdateError(
+                f"rank {rank}: a forward pass ran while a weight update is open (pause generation first)"
+            )
+
+        self._guard = self.model.register_forward_pre_hook(refuse_forward)
+        return self.session
+
+    def _close(self) -> None:
+        if self._guard is not None:
+            self._guard.remove()
+            self._guard = None
+        self.session = None
+
+    def finish(self) -> dict[str, Any]:
+        """Load refused tensors through ``load_weights``, rebuild derived copies, close the update."""
+        if self.session is None:
+            raise IncompleteUpdateError(f"rank {self.rank}: finish without an open weight update")
+        session = self.session
+        try:
+            refreshed = session.finish()
+        finally:
+            self._close()
+        self.updates += 1
+        return {"rank": self.rank, "written": len(session.written), "refreshed": refreshed}
+
+    def abort(self) -> None:
+        """Close an open update without completing it (the weights may be inconsistent)."""
+        self._close()
+
+    def apply_checkpoint(self, path: str, names: Sequence[str] | None = None) -> dict[str, Any]:
+        """Write tensors of a checkpoint (all this rank holds by default) into the engine through this rank's
+        maps, then finish the update. One call: no generation can interleave."""
+        started = time.perf_counter()
+        wanted = [n for n in (names if names is not None else self.targets.views) if n in self.targets.views]
+        session = self.begin()
+        try:
+            elements = 0
+            with torch.no_grad():
+                for name, full in read_tensors(path, wanted):
+                    storage = session.storage(name)
+                    elements += write_pieces(storage, self.targets.maps[name].ranks[self.rank], full)
+                    session.mark_written(name)
+        except BaseException:
+            self.abort()
+            raise
+        report = self.finish()
+        report["elements"] = elements
+        report["seconds"] = time.perf_counter() - started
+        return report
