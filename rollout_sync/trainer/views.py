@@ -1,0 +1,85 @@
+"""Storage views: this rank's storage of each logical tensor, as a view of DeepSpeed's own buffers (the
+tensors the engine trains, never copies).
+
+- ``param``: the low-precision parameter (``param.data`` under ZeRO-0/1/2, a view into ZeRO-1/2's
+  ``bit16_groups_flat``; ``param.ds_tensor`` without padding under ZeRO-3);
+- ``fp32``: the fp32 master partition (ZeRO-1/2 ``single_partition_of_fp32_groups`` or ``BF16_Optimizer``'s
+  ``fp32_groups_flat_partition``; ZeRO-3 ``fp32_partitioned_groups_flat``);
+- ``exp_avg`` / ``exp_avg_sq``: the optimizer's state for that master partition (the same geometry).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+from ..errors import LayoutError, ShapeMismatchError, UnsupportedLayoutError
+from .read_engine import LocalParam, ReadEngine, flat_view
+from .storage_maps import StorageMap
+
+__all__ = ["state_buffer", "storage_views"]
+
+
+def state_buffer(read: ReadEngine, lp: LocalParam, state: str) -> tuple[torch.Tensor, int]:
+    """The buffer holding this rank's elements of ``lp``'s shard for ``state``, and the shift: element
+    ``x`` of the shard's flattening is ``buffer[x + shift]``."""
+    if state == "param":
+        return lp.lp, lp.lp_shift
+    if lp.hp is None:
+        raise UnsupportedLayoutError(
+            "no master weights for this parameter", tensor=lp.name, rank=read.rank, found=state
+        )
+    if state == "fp32":
+        return lp.hp, lp.hp_shift
+    opt = read.basic_optimizer
+    entry = None if opt is None else opt.state.get(lp.hp)
+    tensor = None if entry is None else entry.get(state)
+    if not isinstance(tensor, torch.Tensor):
+        raise UnsupportedLayoutError(
+            "the optimizer holds no such state for this parameter (has it taken a step? is it Adam?)",
+            tensor=lp.name,
+            rank=read.rank,
+            expected=state,
+            found=None if entry is None else sorted(entry),
+        )
+    if tensor.shape != lp.hp.shape or not tensor.is_contiguous():
+        raise ShapeMismatchError(
+            "an optimizer state differs in shape from its master partition",
+            tensor=lp.name,
+            rank=read.rank,
+            expected=tuple(lp.hp.shape),
+            found=tuple(tensor.shape),
+        )
+    return tensor, lp.hp_shift
+
+
+def storage_views(read: ReadEngine, maps: Iterable[StorageMap], state: str) -> dict[str, torch.Tensor]:
+    """This rank's storage view of every logical tensor of ``maps`` it stores, keyed by logical name."""
+    out: dict[str, torch.Tensor] = {}
+    for sm in maps:
+        run = sm.local.get(read.rank)
+        if run is None:
+            continue
+        lp = read.local[run.param]
+        if lp.placement_rank != run.shard:
+            raise LayoutError(
+                "a map places this rank's storage in another shard than the rank holds",
+                tensor=sm.map.name,
+                rank=read.rank,
+                expected=lp.placement_rank,
+                found=run.shard,
+            )
+        buffer, shift = state_buffer(read, lp, state)
+        view = flat_view(buffer, run.start, run.stop, shift, run.shape)
+        storage = sm.map.ranks[read.rank]
+        if tuple(view.shape) != tuple(storage.shape):
+            raise ShapeMismatchError(
+                "a storage view differs from its map",
+                tensor=sm.map.name,
+                rank=read.rank,
+                expected=storage.shape,
+                found=tuple(view.shape),
+            )
+        out[sm.map.name] = view
+    return out
