@@ -178,6 +178,16 @@ def _flat_storage(
 
 
 @st.composite
+def layout_pairs(draw, src_opts: Opts = ANY, tgt_opts: Opts = ANY, min_ndim: int = 1, max_ndim: int = 4):
+    shape = draw(shapes(min_ndim, max_ndim))
+    source = draw(tensor_maps(shape, 0, src_opts))
+    colocated = draw(st.booleans())
+    first = 0 if colocated else len(source.ranks)
+    target = draw(tensor_maps(shape, first, tgt_opts))
+    return source, target
+
+
+@st.composite
 def policies(draw: Any) -> Any:
     """``"lowest"``, ``"balanced"``, a ``Balanced`` instance, or a callable choosing a random holder."""
     kind = draw(st.sampled_from(["lowest", "balanced", "instance", "random"]))

@@ -12,9 +12,9 @@ from planner_layouts import (
     ANY,
     ONLY_FLAT,
     ONLY_ND,
-    Opts,
     check_plan_fills_targets,
     flat_runs,
+    layout_pairs,
     policies,
     rows,
     shapes,
@@ -38,16 +38,6 @@ SETTINGS = settings(max_examples=80, deadline=None, suppress_health_check=[Healt
 
 
 # ------------------------------------------------------------------------------------------- oracle
-
-
-@st.composite
-def layout_pairs(draw, src_opts: Opts = ANY, tgt_opts: Opts = ANY, min_ndim: int = 1, max_ndim: int = 4):
-    shape = draw(shapes(min_ndim, max_ndim))
-    source = draw(tensor_maps(shape, 0, src_opts))
-    colocated = draw(st.booleans())
-    first = 0 if colocated else len(source.ranks)
-    target = draw(tensor_maps(shape, first, tgt_opts))
-    return source, target
 
 
 def check(source: TensorMap, target: TensorMap, policy) -> None:
