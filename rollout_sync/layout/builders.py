@@ -38,8 +38,13 @@ contiguous slice of the real parameter, so its own strides are row-major):
 - vocab parallel (``VocabParallelEmbedding`` / ``ParallelLMHead`` ``[P/t, H]``, ``P = vocab`` padded to a
   multiple of ``padding`` (64)): rank ``r`` holds logical rows ``[r·P/t, min((r+1)·P/t, vocab))``; storage =
   ``weight[0 : n_real]`` (padding rows excluded; may be empty, shape ``(0, H)``).
-- replicated (norms, routers, MLA ``q_a_proj``/``kv_a_proj_with_mqa``): storage = the whole parameter (or
-  its row range in a fused replicated parameter), identical on every rank: all ranks are holders.
+- replicated (norms, routers, ``e_score_correction_bias``, MLA ``q_a_proj``/``kv_a_proj_with_mqa``):
+  storage = the whole parameter, identical on every rank: all ranks are holders. With a q-LoRA rank vLLM
+  fuses the two MLA down-projections into a replicated ``fused_qkv_a_proj.weight [q_lora + kv_lora +
+  rope, H]``: ``q_a_proj`` storage = rows ``[0, q_lora)``, ``kv_a_proj_with_mqa`` = rows ``[q_lora,
+  q_lora + kv_lora + rope)``. MLA's ``q_b_proj``/``kv_b_proj`` are column parallel (heads split), ``o_proj``
+  row parallel. Trap: vLLM's MLA backends derive ``W_UK``/``W_UV`` from ``kv_b_proj`` after loading (a
+  derived copy): a write into ``kv_b_proj`` needs that post-processing again.
 - MoE experts (``FusedMoE`` ``w13_weight`` ``[E_local, 2·I_local, H]``, ``w2_weight`` ``[E_local, H,
   I_local]``), expert ``e`` at local index ``l``: ``experts.{e}.gate_proj.weight`` storage =
   ``w13_weight[l, 0 : I_local]``, ``up_proj`` = ``w13_weight[l, I_local : 2·I_local]``, ``down_proj`` =

@@ -240,7 +240,8 @@ def vllm_target_maps(
     """Target maps of every logical tensor of ``model`` over ``engines`` vLLM engines of ``tp`` workers
     each, the first worker at global rank ``first_rank``. ``ep`` is 1 (experts split along I by TP) or
     ``tp`` (``enable_expert_parallel``: experts placed over the engine's workers by ``placement``). Storage
-    views: see ``rollout_sync.layout.builders``."""
+    views: see ``rollout_sync.layout.builders``. Tensors vLLM keeps no storage for (``in_vllm`` False)
+    get no target map."""
     if ep not in (1, tp):
         raise UnsupportedLayoutError(
             "vLLM expert parallelism within an engine spans its TP ranks",
@@ -251,6 +252,8 @@ def vllm_target_maps(
     maps: list[TensorMap] = []
     cache: dict[object, TensorMap] = {}  # see _reused
     for t in model.tensors:
+        if not t.in_vllm:
+            continue
         tdtype = t.dtype or dtype
         key = (t.kind, t.shape, tdtype, t.expert if t.kind in _EXPERT_KINDS else None)
         m = _reused(cache, key, t, tdtype)

@@ -58,7 +58,9 @@ class LogicalTensor:
 
     ``dtype`` overrides the side's dtype where the model keeps a tensor in another one (DeepSeek-V3's
     ``e_score_correction_bias`` is float32 in transformers and vLLM). ``buffer``: a module buffer, not a
-    parameter: DeepSpeed keeps it whole on every rank (never partitioned, not TP-split).
+    parameter: DeepSpeed keeps it whole on every rank (never partitioned, not TP-split). ``in_vllm``:
+    False where vLLM keeps no storage for the tensor (it ignores it on load), e.g. the router bias of a
+    DeepSeek-V3-style model whose ``topk_method`` is not ``noaux_tc``.
     """
 
     name: str
@@ -68,6 +70,7 @@ class LogicalTensor:
     expert: int | None = None
     dtype: str | None = None
     buffer: bool = False
+    in_vllm: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -222,6 +225,9 @@ def _deepseek_v3(config: Mapping[str, Any]) -> ModelTensors:
     v_dim = int(_get(config, "v_head_dim"))
     qk_dim = nope + rope
     bias = bool(config.get("attention_bias", False))
+    # transformers always has the router bias; vLLM only with ``topk_method: noaux_tc`` in the config
+    # (DeepSeek-V3's and Kimi-K2's config.json; vLLM reads it with a None default).
+    noaux_tc = config.get("topk_method") == "noaux_tc"
     out: list[LogicalTensor] = []
     _embeddings(out, vocab, hidden, tied)
     for i in range(layers):
@@ -257,6 +263,7 @@ def _deepseek_v3(config: Mapping[str, Any]) -> ModelTensors:
                     i,
                     dtype="float32",
                     buffer=True,
+                    in_vllm=noaux_tc,
                 )
             )
             _experts(out, m, i, hidden, moe_inter, n_exp)

@@ -222,7 +222,7 @@ def test_vllm_target_maps_tile_every_tensor(config: dict[str, Any], engines: int
         pytest.skip("shape not divisible by this TP size")
     maps = vllm_target_maps(m, engines, tp, ep, first_rank=3)
     workers = {3 + i for i in range(engines * tp)}
-    for x, t in zip(maps, m.tensors, strict=True):
+    for x, t in zip(maps, [t for t in m.tensors if t.in_vllm], strict=True):
         assert x.name == t.name
         check_tiling(x)
         if t.kind.startswith("expert_") and ep > 1:
@@ -286,6 +286,19 @@ def test_deepseek_router_bias_is_a_float32_buffer_on_every_trainer_rank() -> Non
     assert bias.dtype == "float32"
     assert set(bias.ranks) == {0, 1, 2, 3}
     assert all(s.shape == (4,) for s in bias.ranks.values())
+
+
+@pytest.mark.parametrize(("topk_method", "in_vllm"), [("noaux_tc", True), (None, False), ("greedy", False)])
+def test_vllm_holds_the_router_bias_only_for_noaux_tc_routing(topk_method: str | None, in_vllm: bool) -> None:
+    config = dict(TINY_DEEPSEEK)
+    if topk_method is not None:
+        config["topk_method"] = topk_method
+    name = "model.layers.1.mlp.gate.e_score_correction_bias"
+    targets = {x.name: x for x in vllm_target_maps(model_tensors(config), 1, 2, first_rank=4)}
+    assert (name in targets) is in_vllm
+    if in_vllm:
+        assert targets[name].dtype == "float32"
+        assert set(targets[name].ranks) == {4, 5}
 
 
 def test_autotp_with_moe_experts_and_ep_outside_an_engine_are_refused() -> None:
