@@ -14,11 +14,13 @@ and keeps the views of DeepSpeed's own buffers: a sync reads the buffers the eng
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 from typing import Any
 from urllib.parse import urlparse
 
 from ..errors import HandshakeError
 from ..handshake import TRAINER, Coordinator
+from ..layout.maps import TensorMap
 from ..planning.policy import ReplicaPolicy
 from ..planning.wire import encode_maps
 from ..transport import DEFAULT_STAGING_CAP_BYTES, ExecuteOptions
@@ -61,23 +63,60 @@ class TrainerSync:
         backend: str = "gloo",
         state: str = "param",
     ) -> TrainerSync:
-        """Join the sync group. ``engines``: how many vLLM engines take part; ``every``: sync after every
-        N-th applied optimizer step (``None``: only explicit ``sync()`` calls); ``state``: which trainer
-        state to send (``param`` for the low-precision weights, ``fp32`` for the master weights)."""
+        """Join the sync group with a live DeepSpeed engine. ``engines``: how many vLLM engines take part;
+        ``every``: sync after every N-th applied optimizer step (``None``: only explicit ``sync()`` calls);
+        ``state``: which trainer state to send (``param`` for the low-precision weights, ``fp32`` for the
+        master weights)."""
         import torch.distributed as dist
 
         from ..trainer.storage import trainer_storage
 
+        maps, sources = trainer_storage(engine, state)
+        self = cls.connect(
+            maps,
+            sources,
+            rank=dist.get_rank(),
+            world_size=dist.get_world_size(),
+            address=address,
+            engines=engines,
+            token=token,
+            policy=policy,
+            staging_cap_bytes=staging_cap_bytes,
+            timeout=timeout,
+            backend=backend,
+            engine=engine,
+        )
+        if every is not None:
+            self.hook = StepHook(engine, self._after_step, every=every)
+        return self
+
+    @classmethod
+    def connect(
+        cls,
+        maps: Sequence[TensorMap],
+        sources: dict[str, Any],
+        *,
+        rank: int,
+        world_size: int,
+        address: str,
+        engines: int,
+        token: str | None = None,
+        policy: ReplicaPolicy = "balanced",
+        staging_cap_bytes: int = DEFAULT_STAGING_CAP_BYTES,
+        timeout: float = 120.0,
+        backend: str = "gloo",
+        engine: Any = None,
+    ) -> TrainerSync:
+        """Join the sync group as trainer rank ``rank`` of ``world_size``, with maps of every trainer rank
+        (the same on every rank) and this rank's storage views. Trainer rank 0 also runs the coordinator."""
         token = resolve_token(token)
         host, port = _host_port(address)
-        rank, world = dist.get_rank(), dist.get_world_size()
-        maps, sources = trainer_storage(engine, state)
-        payload = encode_maps(maps)
+        payload = encode_maps(list(maps))
         coordinated: dict[str, Any] = {}
         thread = None
         if rank == 0:
             coord = Coordinator(
-                token=token, trainer_world=world, engines=engines, host=host, port=port, timeout=timeout
+                token=token, trainer_world=world_size, engines=engines, host=host, port=port, timeout=timeout
             )
 
             def serve() -> None:
@@ -100,7 +139,7 @@ class TrainerSync:
                 role=TRAINER,
                 group=0,
                 local_rank=rank,
-                local_size=world,
+                local_size=world_size,
                 payload=payload if rank == 0 else b"",
                 fields={"maps_digest": maps_digest(payload)},
                 timeout=timeout,
@@ -116,10 +155,7 @@ class TrainerSync:
             thread.join(timeout)
             if "error" in coordinated:
                 raise coordinated["error"]
-        self = cls(engine, endpoint, sources, coordinated.get("value"))
-        if every is not None:
-            self.hook = StepHook(engine, self._after_step, every=every)
-        return self
+        return cls(engine, endpoint, sources, coordinated.get("value"))
 
     def _after_step(self, version: int) -> None:
         self.sync(version)

@@ -1,0 +1,98 @@
+"""The rollout side's link to the sync group, independent of vLLM.
+
+A vLLM worker describes its own storage (maps in engine-local ranks: the worker's TP rank), connects
+through the handshake, and at each sync receives its half into the storage views it is handed. The vLLM
+worker extension wraps this with vLLM's parts: probing the loaders for the maps, opening an update (the
+views to receive into), refreshing derived copies after the write.
+
+A sync that fails leaves ``incomplete`` set and ``version`` unchanged: the worker never claims a version
+it did not fully receive. The next successful sync clears ``incomplete``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from ..handshake import ROLLOUT
+from ..layout.maps import TensorMap
+from ..planning.wire import encode_maps
+from ..transport import DEFAULT_STAGING_CAP_BYTES, ExecuteOptions
+from .endpoint import Endpoint, SyncResult, resolve_token
+
+
+class RolloutLink:
+    def __init__(self, endpoint: Endpoint, engine: int, local_rank: int) -> None:
+        self.endpoint = endpoint
+        self.engine = engine
+        self.local_rank = local_rank
+        self.version: int | None = None
+        self.incomplete = False
+        self.last_error: str | None = None
+        half = endpoint.half
+        self.target_names: tuple[str, ...] = tuple(
+            sorted({half.tensors[s.tensor].name for s in (*half.receives, *half.local)})
+        )
+
+    @classmethod
+    def connect(
+        cls,
+        address: str,
+        *,
+        engine: int,
+        local_rank: int,
+        local_size: int,
+        maps: Sequence[TensorMap],
+        token: str | None = None,
+        timeout: float = 120.0,
+        staging_cap_bytes: int = DEFAULT_STAGING_CAP_BYTES,
+    ) -> RolloutLink:
+        """Join the handshake as worker ``local_rank`` of engine ``engine``; ``maps`` describe this worker's
+        storage with rank ``local_rank``."""
+        for m in maps:
+            if set(m.ranks) - {local_rank}:
+                raise ValueError(
+                    f"map {m.name!r} describes ranks {sorted(m.ranks)}; a worker describes only itself "
+                    f"(rank {local_rank})"
+                )
+        endpoint = Endpoint.join(
+            address,
+            token=resolve_token(token),
+            role=ROLLOUT,
+            group=engine,
+            local_rank=local_rank,
+            local_size=local_size,
+            payload=encode_maps(list(maps)),
+            timeout=timeout,
+            options=ExecuteOptions(staging_cap_bytes=staging_cap_bytes, timeout=timeout),
+        )
+        return cls(endpoint, engine, local_rank)
+
+    @property
+    def rank(self) -> int:
+        return self.endpoint.rank
+
+    def receive(self, targets: Mapping[str, torch.Tensor]) -> SyncResult:
+        """Receive this worker's half into ``targets`` (storage views by logical name) and commit."""
+        self.incomplete = True
+        try:
+            result = self.endpoint.run({}, targets)
+        except BaseException as exc:
+            self.last_error = f"{type(exc).__name__}: {exc}"
+            raise
+        self.incomplete = False
+        self.last_error = None
+        self.version = result.version
+        return result
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "rank": self.rank,
+            "engine": self.engine,
+            "local_rank": self.local_rank,
+            "version": self.version,
+            "incomplete": self.incomplete,
+            "last_error": self.last_error,
+        }

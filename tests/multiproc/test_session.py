@@ -1,0 +1,159 @@
+"""The whole sync session between processes, without engines: trainer ranks (ZeRO-3 storage built from
+shapes) and rollout workers (a TP-2 engine's storage) meet through the real ZeroMQ handshake, build one
+gloo group, and sync; the rollout storages then hold every element of every logical tensor."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from rollout_sync.errors import PeerFailedError, SyncTimeoutError
+from rollout_sync.models import model_tensors
+from rollout_sync.models.sides import trainer_maps, vllm_target_maps
+from rollout_sync.testing.rank_pool import RankError, RankPool, free_port
+from rollout_sync.testing.storage import extract, local_part
+
+CONFIG = {
+    "model_type": "qwen3",
+    "vocab_size": 1000,
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "tie_word_embeddings": False,
+}
+TRAINERS, WORKERS = 2, 2
+TOKEN = "session-test"
+
+
+def full_tensors(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        t.name: torch.randn(t.shape, generator=g).to(torch.bfloat16) for t in model_tensors(CONFIG).tensors
+    }
+
+
+def side_maps():
+    model = model_tensors(CONFIG)
+    return trainer_maps(model, 3, TRAINERS), vllm_target_maps(model, 1, WORKERS, first_rank=TRAINERS)
+
+
+def join(ctx, address: str, timeout: float):
+    from rollout_sync.sync.rollout import RolloutLink
+    from rollout_sync.sync.trainer import TrainerSync
+
+    sources, targets = side_maps()
+    if ctx.rank < TRAINERS:
+        full = full_tensors(seed=1)
+        views = {m.name: extract(full[m.name], m, ctx.rank) for m in sources if ctx.rank in m.ranks}
+        ctx.state["side"] = TrainerSync.connect(
+            sources,
+            views,
+            rank=ctx.rank,
+            world_size=TRAINERS,
+            address=address,
+            engines=1,
+            token=TOKEN,
+            timeout=timeout,
+        )
+        ctx.state["full"] = full
+    else:
+        local = ctx.rank - TRAINERS
+        mine = [local_part(m, ctx.rank, local) for m in targets if ctx.rank in m.ranks]
+        link = RolloutLink.connect(
+            address, engine=0, local_rank=local, local_size=WORKERS, maps=mine, token=TOKEN, timeout=timeout
+        )
+        ctx.state["side"] = link
+        ctx.state["targets"] = {
+            m.name: torch.full(m.ranks[ctx.rank].shape, float("nan"), dtype=torch.bfloat16)
+            for m in targets
+            if ctx.rank in m.ranks
+        }
+    return ctx.state["side"].endpoint.rank
+
+
+def sync(ctx, version: int, seed: int):
+    side = ctx.state["side"]
+    if ctx.rank < TRAINERS:
+        full = full_tensors(seed)
+        for name, view in side.sources.items():  # new weights, written in place like an optimizer step
+            m = next(m for m in side_maps()[0] if m.name == name)
+            view.copy_(extract(full[name], m, ctx.rank))
+        return side.sync(version).version
+    return side.receive(ctx.state["targets"]).version
+
+
+def check(ctx, seed: int):
+    if ctx.rank < TRAINERS:
+        return None
+    full = full_tensors(seed)
+    _, targets = side_maps()
+    bad = []
+    for m in targets:
+        if ctx.rank in m.ranks and not torch.equal(
+            ctx.state["targets"][m.name], extract(full[m.name], m, ctx.rank)
+        ):
+            bad.append(m.name)
+    return bad
+
+
+def status(ctx):
+    side = ctx.state["side"]
+    return side.status() if ctx.rank >= TRAINERS else None
+
+
+def die(ctx):
+    import os
+
+    os._exit(3)
+
+
+@pytest.fixture
+def pool():
+    with RankPool(TRAINERS + WORKERS, env={"OMP_NUM_THREADS": "1"}, timeout=120) as p:
+        yield p
+
+
+def test_trainer_and_rollout_ranks_sync_every_element_and_agree_on_the_version(pool):
+    address = f"tcp://127.0.0.1:{free_port()}"
+    assert pool.call(join, address, 60) == [0, 1, 2, 3]
+    assert pool.call(sync, 7, 1) == [7, 7, 7, 7]
+    assert pool.call(check, 1)[TRAINERS:] == [[], []]
+    assert pool.call(sync, 8, 2) == [8, 8, 8, 8]
+    assert pool.call(check, 2)[TRAINERS:] == [[], []]
+    assert [s["version"] for s in pool.call(status)[TRAINERS:]] == [8, 8]
+
+
+def only_rollout_receives(ctx, timeout_expected: float):
+    """Rollout ranks start receiving; trainer rank 1 dies instead of sending."""
+    if ctx.rank == 1:
+        import os
+
+        os._exit(3)
+    if ctx.rank == 0:
+        return "trainer 0 idle"
+    start = time.monotonic()
+    try:
+        ctx.state["side"].receive(ctx.state["targets"])
+    except (PeerFailedError, SyncTimeoutError) as exc:
+        return ("raised", type(exc).__name__, time.monotonic() - start, ctx.state["side"].status())
+    return ("no error",)
+
+
+def test_a_trainer_rank_dying_mid_sync_makes_every_worker_raise_in_time_without_claiming_the_version(pool):
+    address = f"tcp://127.0.0.1:{free_port()}"
+    pool.call(join, address, 8)
+    pool.call(sync, 1, 1)
+    pending = pool.submit(only_rollout_receives, 8)
+    with pytest.raises(RankError, match="rank 1 died"):
+        pending.result(timeout=60)
+    outcomes = pending._results
+    for r in (2, 3):
+        kind, error, seconds, state = outcomes[r]
+        assert kind == "raised" and error in ("PeerFailedError", "SyncTimeoutError"), outcomes[r]
+        assert seconds < 30
+        assert state["version"] == 1 and state["incomplete"] is True
