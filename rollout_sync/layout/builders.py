@@ -62,7 +62,7 @@ from math import prod
 
 from ..errors import LayoutError
 from .maps import TensorMap
-from .nesting import FlatRun, FlatRuns, Layout, Shard, ShardStorage, Whole, nest
+from .nesting import FlatRun, FlatRuns, Layout, Shard, ShardBlock, ShardStorage, Whole, nest
 
 __all__ = [
     "autotp_shard_sizes",
@@ -71,6 +71,7 @@ __all__ = [
     "replicated_map",
     "split_layout",
     "split_map",
+    "sub_param_layout",
     "tp_zero_map",
     "vllm_column_map",
     "vllm_expert_map",
@@ -193,6 +194,53 @@ def split_layout(name: str, shape: Sequence[int], dim: int, sizes: Sequence[int]
         extent = tuple(size if d == dim else s for d, s in enumerate(shape))
         shards[i] = Shard.of_box(origin, extent)
         start += size
+    return Layout(name, shape, shards)
+
+
+def sub_param_layout(
+    name: str, shape: Sequence[int], dim: int, sub_sizes: Sequence[int], widths: Sequence[Sequence[int]]
+) -> Layout:
+    """A fused parameter made of sub-parameters stacked along ``dim`` (sizes ``sub_sizes``, e.g. q|k|v or
+    gate|up), each split over the ranks: layout rank ``r`` holds, in order, the slice of width
+    ``widths[i][r]`` of every sub-parameter ``i`` that follows rank ``r-1``'s (DeepSpeed's
+    ``sub_param_map``). Rank ``r``'s shard stacks those slices along ``dim``."""
+    shape = tuple(shape)
+    ndim = len(shape)
+    if not 0 <= dim < ndim or sum(sub_sizes) != shape[dim] or len(widths) != len(sub_sizes):
+        raise LayoutError(
+            "sub-parameter sizes do not tile the fused dim",
+            tensor=name,
+            expected=f"{len(sub_sizes)} sub-parameters summing to dim {dim} of {shape}",
+            found=(tuple(sub_sizes), len(widths)),
+        )
+    ranks = len(widths[0]) if widths else 0
+    for i, w in enumerate(widths):
+        if len(w) != ranks or sum(w) != sub_sizes[i] or min(w, default=0) < 0:
+            raise LayoutError(
+                "sub-parameter widths do not tile their sub-parameter",
+                tensor=name,
+                expected=f"{ranks} widths summing to {sub_sizes[i]}",
+                found=tuple(w),
+            )
+    shards = {}
+    for r in range(ranks):
+        blocks = []
+        at = 0
+        base = 0
+        for i, size in enumerate(sub_sizes):
+            width = widths[i][r]
+            if width:
+                start = base + sum(widths[i][:r])
+                blocks.append(
+                    ShardBlock(
+                        tuple(at if d == dim else 0 for d in range(ndim)),
+                        tuple(start if d == dim else 0 for d in range(ndim)),
+                        tuple(width if d == dim else shape[d] for d in range(ndim)),
+                    )
+                )
+            at += width
+            base += size
+        shards[r] = Shard(tuple(at if d == dim else shape[d] for d in range(ndim)), tuple(blocks))
     return Layout(name, shape, shards)
 
 

@@ -19,6 +19,7 @@ from rollout_sync.layout.builders import (
     replicated_map,
     split_layout,
     split_map,
+    sub_param_layout,
     tp_zero_map,
     vllm_column_map,
     vllm_expert_map,
@@ -322,3 +323,32 @@ def test_every_builder_map_has_the_numel_of_its_tensor_on_each_side() -> None:
     tmap = vllm_qkv_part_map("k", (2 * 4, 3), "bfloat16", "k", 8, 2, 4, _engines(1, 8))
     distinct = {p.box for s in tmap.ranks.values() for p in s.pieces}
     assert sum(prod(b.extent) for b in distinct) == 2 * 4 * 3
+
+
+@settings(max_examples=40, deadline=None)
+@given(data=st.data())
+def test_fused_sub_parameter_shards_under_zero_match_numpy(data: st.DataObject) -> None:
+    """A fused parameter (q|k|v rows, or gate|up) split per sub-parameter over TP ranks (DeepSpeed's
+    sub_param_map), each rank's stacked shard stored whole (ZeRO-2) or ZeRO-3 partitioned."""
+    subs = data.draw(st.lists(st.integers(1, 6), min_size=1, max_size=3))
+    cols = data.draw(st.integers(1, 5))
+    tp = data.draw(st.integers(1, 3))
+    dp = data.draw(st.integers(1, 3))
+    zero_stage = data.draw(st.sampled_from([2, 3]))
+    widths = [even_sizes(n, tp) for n in subs]
+    shape = (sum(subs), cols)
+    logical = arange(shape)
+    table = _rank_table(dp, tp)
+    tmap = tp_zero_map(sub_param_layout("fused", shape, 0, subs, widths), "bfloat16", zero_stage, table)
+    real = {}
+    starts = np.cumsum([0, *subs])
+    for t in range(tp):
+        rows = []
+        for i, sub in enumerate(np.split(logical, starts[1:-1], axis=0)):
+            lo = sum(widths[i][:t])
+            rows.append(sub[lo : lo + widths[i][t]])
+        shard = np.concatenate(rows)
+        parts = zero3_parts(shard.ravel(), dp) if zero_stage == 3 else [shard] * dp
+        for d in range(dp):
+            real[table[t][d]] = parts[d]
+    check_storages(tmap, logical, real)

@@ -286,3 +286,24 @@ def test_layout_and_storages_must_name_the_same_layout_ranks() -> None:
     layout = Layout("w", (4,), {0: Shard.of_box((0,), (4,))})
     with pytest.raises(LayoutError):
         nest(layout, {1: Whole((0,))}, dtype="float32")
+
+
+@pytest.mark.parametrize("dp", [1, 2, 3, 5])
+def test_packed_experts_placed_round_robin_and_partitioned_match_numpy(dp: int) -> None:
+    # Logical [E=4, 3, 5]; EP rank 0 packs experts 0 and 2, EP rank 1 packs 1 and 3; ZeRO-3 over dp ranks each.
+    shape = (4, 3, 5)
+    logical = arange(shape)
+    shards = {
+        k: Shard(
+            (2, 3, 5), tuple(ShardBlock((i, 0, 0), (e, 0, 0), (1, 3, 5)) for i, e in enumerate((k, k + 2)))
+        )
+        for k in (0, 1)
+    }
+    storages = {k: _zero3(30, tuple(d * 2 + k for d in range(dp))) for k in (0, 1)}
+    tmap = nest(Layout("experts", shape, shards), storages, dtype="bfloat16")
+    real = {}
+    for k in (0, 1):
+        packed = np.stack([logical[k], logical[k + 2]])
+        for d, part in enumerate(zero3_parts(packed.ravel(), dp)):
+            real[d * 2 + k] = part
+    check_storages(tmap, logical, real)
