@@ -63,11 +63,14 @@ def vllm_engine_ranks(engines: int, tp: int, first_rank: int) -> tuple[tuple[int
 
 
 def autotp_layout(t: LogicalTensor, tp: int, num_kv_heads: int | None, grain: int = 1) -> Layout:
-    """DeepSpeed AutoTP's layout of one logical tensor over ``tp`` TP ranks (training mode, HF tp_plan):
-    ``q``/``k``/``v``/``gate``/``up``/``column`` and ``lm_head`` split along rows, ``row`` along the last
-    dim, with ``autotp_shard_sizes``; ``embed_tokens``, norms and other ``replicated`` tensors whole on
-    every TP rank. Measured on tiny Qwen3 (notes/deepspeed-on-cpu.md §3); for MLA models the same kind rule
-    is applied without a live check."""
+    """DeepSpeed AutoTP's layout of one logical tensor over ``tp`` TP ranks (training mode, through
+    transformers' ``base_model_tp_plan``): for Qwen3 ``q``/``k``/``v``/``gate``/``up`` and ``lm_head`` are
+    split along rows, ``o_proj``/``down_proj`` along columns, with ``autotp_shard_sizes``; ``embed_tokens``,
+    norms and routers whole on every TP rank (measured on tiny Qwen3, notes/deepspeed-on-cpu.md §3).
+
+    Refused (``UnsupportedLayoutError``) rather than guessed: MoE experts (DeepSpeed 0.19.8 refuses their
+    ``packed_colwise``/``moe_tp_experts`` plan styles) and MLA's column-parallel projections (never
+    measured under AutoTP; transformers' DeepSeek-V3 plan leaves attention whole)."""
     split = _autotp_split(t, tp, num_kv_heads, grain)
     if split is None:
         return replicated_layout(t.name, t.shape, tp)
@@ -81,7 +84,7 @@ def _autotp_split(
     if tp == 1 or t.buffer:
         return None
     module = t.name.rsplit(".", 1)[0]
-    if t.kind in ("q", "k", "v", "gate", "up", "column") or (t.kind == "vocab" and module == "lm_head"):
+    if t.kind in ("q", "k", "v", "gate", "up") or (t.kind == "vocab" and module == "lm_head"):
         dim = 0
     elif t.kind == "row" and len(t.shape) >= 2:
         dim = len(t.shape) - 1
@@ -89,7 +92,7 @@ def _autotp_split(
         return None
     else:
         raise UnsupportedLayoutError(
-            "AutoTP layout of this kind is not known (DeepSpeed AutoTP does not partition MoE experts)",
+            "AutoTP layout of this kind is not known (MoE experts, MLA projections)",
             tensor=t.name,
             found=t.kind,
         )

@@ -318,3 +318,14 @@ def test_a_large_moe_dry_run_builds_every_map() -> None:
     expert = {x.name: x for x in maps[-3000:]}["model.layers.60.mlp.experts.383.down_proj.weight"]
     assert sorted(expert.ranks) == [64 + 7, 64 + 15]
     assert prod(expert.ranks[71].shape) == 7168 * 2048
+
+
+def test_autotp_layout_of_mla_projections_is_refused_not_guessed() -> None:
+    from rollout_sync.models import autotp_layout
+
+    m = model_tensors(TINY_DEEPSEEK)
+    q_b = m.by_name()["model.layers.0.self_attn.q_b_proj.weight"]
+    with pytest.raises(UnsupportedLayoutError):
+        autotp_layout(q_b, 2, m.num_kv_heads)
+    shared = m.by_name()["model.layers.1.mlp.shared_experts.down_proj.weight"]
+    assert sorted(autotp_layout(shared, 2, m.num_kv_heads).shards) == [0, 1]
