@@ -136,15 +136,17 @@ def decide(records: Sequence[Record]) -> list[int]:
     groups = _split_by(records, lambda rec: rec.digest_sha)
     if len(groups) > 1:
         described = ", ".join(
-            f"{_ranks(g)} hold plan digest {records[g[0]].digest_prefix or '(empty)'}..." for g in groups
+            f"{_ranks(g)} {'hold' if len(g) > 1 else 'holds'} plan digest "
+            f"{records[g[0]].digest_prefix or '(empty)'}..."
+            for g in groups
         )
         raise PlanMismatchError(_PREFIX + f"ranks hold different plans: {described}")
     groups = _split_by(records, lambda rec: rec.table_hash)
     if len(groups) > 1:
         odd = sorted(r for g in groups[1:] for r in g)
         raise PlanMismatchError(
-            _PREFIX + f"{_ranks(odd)} hold a tensor table that differs from that of {_ranks(groups[0])}, "
-            "under the same plan digest"
+            _PREFIX + f"{_ranks(odd)} {'hold' if len(odd) > 1 else 'holds'} a tensor table that differs from "
+            f"that of {_ranks(groups[0])}, under the same plan digest"
         )
     groups = _split_by(records, lambda rec: (rec.zero_copy, rec.overlap))
     if len(groups) > 1:

@@ -27,9 +27,9 @@ from typing import Any
 
 import torch
 
+from ..layout.dtypes import itemsize
 from ..planning.plan import PlanHalf
 from . import agreement
-from .dtypes import element_size
 from .fingerprint import pair_sums, table_hash
 from .groups import group_backend, group_rank, group_size
 from .local_check import check_storages
@@ -89,7 +89,7 @@ def _compile(half: PlanHalf, schedule: Schedule) -> _Program:
             wire = _torch_dtype(t.source_dtype)
             copies = part_copies(part, side)
             out.append(
-                _PartProgram(t.name, wire, element_size(t.source_dtype), part.byte_offset, part.count, copies)
+                _PartProgram(t.name, wire, itemsize(t.source_dtype), part.byte_offset, part.count, copies)
             )
         return tuple(out)
 
@@ -103,12 +103,12 @@ def _compile(half: PlanHalf, schedule: Schedule) -> _Program:
     for m in schedule.receives:
         receives.setdefault(m.round, []).append((m, program(m, "target")))
         bytes_received[m.peer] = bytes_received.get(m.peer, 0) + _payload(half, m)
-    local_bytes = sum(s.numel * element_size(half.tensors[s.tensor].target_dtype) for s in schedule.local)
+    local_bytes = sum(s.numel * itemsize(half.tensors[s.tensor].target_dtype) for s in schedule.local)
     return _Program(schedule, sends, receives, bytes_sent, bytes_received, local_bytes)
 
 
 def _payload(half: PlanHalf, m: Message) -> int:
-    return sum(p.count * element_size(half.tensors[p.segment.tensor].source_dtype) for p in m.parts)
+    return sum(p.count * itemsize(half.tensors[p.segment.tensor].source_dtype) for p in m.parts)
 
 
 def _view(storage: torch.Tensor, c: Copy) -> torch.Tensor:

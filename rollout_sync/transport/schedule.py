@@ -31,9 +31,9 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from math import prod
 
+from ..layout.dtypes import ITEMSIZE, itemsize
 from ..layout.runs import flat_run_boxes
 from ..planning.plan import PlanHalf, Segment
-from .dtypes import element_size, known_dtype
 
 __all__ = [
     "ALIGN",
@@ -179,7 +179,7 @@ def wanted_message_bytes(half: PlanHalf, staging_cap_bytes: int, depth: int) -> 
 
 
 def _wire_size(half: PlanHalf, s: Segment) -> int:
-    return element_size(half.tensors[s.tensor].source_dtype)
+    return itemsize(half.tensors[s.tensor].source_dtype)
 
 
 def _is_direct(half: PlanHalf, s: Segment, zero_copy: bool) -> bool:
@@ -188,7 +188,7 @@ def _is_direct(half: PlanHalf, s: Segment, zero_copy: bool) -> bool:
     t = half.tensors[s.tensor]
     return (
         t.source_dtype == t.target_dtype
-        and s.numel * element_size(t.source_dtype) >= DIRECT_MIN_BYTES
+        and s.numel * itemsize(t.source_dtype) >= DIRECT_MIN_BYTES
         and is_dense(s.extent, s.source_strides)
         and is_dense(s.extent, s.target_strides)
     )
@@ -321,7 +321,7 @@ def check_half(half: PlanHalf) -> str | None:
     n = len(half.tensors)
     for t in half.tensors:
         for dtype in (t.source_dtype, t.target_dtype):
-            if not known_dtype(dtype):
+            if dtype not in ITEMSIZE:
                 return f"tensor {t.name!r} has dtype {dtype!r}, which the transport does not know"
     roles = (
         ("sent", half.sends, lambda s: s.source_rank == rank != s.target_rank),

@@ -117,7 +117,9 @@ def run_on_ranks(
         del store
 
 
-def _collect(procs: list[Any], readers: dict[Connection, int], timeout: float, may_die: set[int]) -> list[Any]:
+def _collect(
+    procs: list[Any], readers: dict[Connection, int], timeout: float, may_die: set[int]
+) -> list[Any]:
     world = len(procs)
     results: list[Any] = [None] * world
     done: set[int] = set()
