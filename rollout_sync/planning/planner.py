@@ -34,7 +34,6 @@ from ..layout.box import Box
 from ..layout.dtypes import ITEMSIZE
 from ..layout.maps import TensorMap
 from ..layout.sweep import overlapping_pairs
-from ..layout.validate import Address, Region
 from .merge import Raw, merge_segments
 from .plan import Plan, PlannedTensor, Segment
 from .policy import Balanced, ReplicaPolicy, ReplicaRequest, check_choice
@@ -111,20 +110,23 @@ def plan_model(
         _check_pair(s, t)
         pairs.append((s, t))
     chooser = _Chooser(policy)
-    cache: dict[object, array] | None = {} if chooser.mode == _LOWEST else None
+    # Tensors with the same shape and regions on both sides (the layers of a model) share their geometry;
+    # with the lowest policy they share their records too.
+    records_cache: dict[object, array] = {}
+    geometry_cache: dict[object, list[_Entry]] = {}
     tensors: list[PlannedTensor] = []
     records: list[array] = []
     for s, t in pairs:
-        rec: array | None = None
-        key: object = None
-        if cache is not None:
-            key = (s.shape, s.regions, t.regions)
-            rec = cache.get(key)
+        key = (s.shape, s.regions, t.regions)
+        rec = records_cache.get(key) if chooser.mode == _LOWEST else None
         if rec is None:
-            rows = _plan_records(s, t, chooser)
+            entries = geometry_cache.get(key)
+            if entries is None:
+                entries = geometry_cache[key] = _geometry(s, t)
+            rows = _emit(t.name, len(t.shape), entries, chooser, ITEMSIZE[s.dtype])
             rec = array("q", [v for r in rows for v in r])
-            if cache is not None:
-                cache[key] = rec
+            if chooser.mode == _LOWEST:
+                records_cache[key] = rec
         records.append(rec)
         tensors.append(
             PlannedTensor(
@@ -149,84 +151,92 @@ def _check_pair(source: TensorMap, target: TensorMap) -> None:
         )
 
 
+# One copy to make, before the replica choice: (target rank, target offset, target strides, logical origin,
+# extent, numel, candidates), the candidates being (source rank, source offset, source strides) per holder.
+_Entry = tuple[
+    int,
+    int,
+    tuple[int, ...],
+    tuple[int, ...],
+    tuple[int, ...],
+    int,
+    tuple[tuple[int, int, tuple[int, ...]], ...],
+]
+
+
 def _plan_records(source: TensorMap, target: TensorMap, chooser: _Chooser) -> list[tuple[int, ...]]:
     """Sorted flat records (see ``rollout_sync.planning.plan``) of one tensor."""
+    return _emit(target.name, len(target.shape), _geometry(source, target), chooser, ITEMSIZE[source.dtype])
+
+
+def _geometry(source: TensorMap, target: TensorMap) -> list[_Entry]:
+    """Every intersection of a source region with a target region, once per target holder, with each
+    source holder's address of it; ``CoverageError`` when a target region is not covered exactly."""
     name = target.name
     src = source.regions
     tgt = target.regions
-    ndim = len(target.shape)
     pairs = overlapping_pairs([(r[0], r[1]) for r in src], [(r[0], r[1]) for r in tgt])
     by_target: list[list[int]] = [[] for _ in tgt]
     for si, ti in pairs:
         by_target[ti].append(si)
-    itemsize = ITEMSIZE[source.dtype]
-    mode = chooser.mode
-    choose_balanced = chooser.balanced.choose if chooser.balanced is not None else None
-    fn = chooser.fn
-    recorder = chooser.recorder
-    # Intersections first, for every target region: coverage is refused before any replica choice.
-    parts_of: list[list[tuple[Region, tuple[int, ...], tuple[int, ...], int]]] = []
+    entries: list[_Entry] = []
     for ti, (to, te, taddrs) in enumerate(tgt):
         sis = by_target[ti]
         sis.sort()
-        parts = []
         got = 0
         t_end = tuple(map(add, to, te))
+        first = len(entries)
         for si in sis:
-            region = src[si]
-            so = region[0]
+            so, se, saddrs = src[si]
             xo = tuple(map(max, so, to))
-            xe = tuple(map(sub, map(min, map(add, so, region[1]), t_end), xo))
+            xe = tuple(map(sub, map(min, map(add, so, se), t_end), xo))
             n = prod(xe)
             got += n
-            parts.append((region, xo, xe, n))
+            sdelta = tuple(map(sub, xo, so))
+            tdelta = tuple(map(sub, xo, to))
+            cands = tuple((r, off + sum(map(mul, sdelta, st)), st) for r, off, st in saddrs)
+            for trank, toff, tstr in taddrs:
+                entries.append((trank, toff + sum(map(mul, tdelta, tstr)), tstr, xo, xe, n, cands))
         volume = prod(te)
         if got != volume:
+            parts = [(e[3], e[4]) for e in entries[first :: max(1, len(taddrs))]]
             raise CoverageError(
                 "target elements that no source holds",
                 tensor=name,
                 rank=taddrs[0][0],
                 box=Box(to, te),
                 expected=f"{volume} elements held by sources",
-                found=f"{got}; for example no source holds {_uncovered(to, te, [(p[1], p[2]) for p in parts])}",
+                found=f"{got}; for example no source holds {_uncovered(to, te, parts)}",
             )
-        parts_of.append(parts)
+    return entries
+
+
+def _emit(
+    name: str, ndim: int, entries: list[_Entry], chooser: _Chooser, itemsize: int
+) -> list[tuple[int, ...]]:
+    """Choose a source holder for every entry, merge, and sort: the tensor's records."""
+    mode = chooser.mode
+    choose_balanced = chooser.balanced.choose if chooser.balanced is not None else None
+    fn = chooser.fn
+    recorder = chooser.recorder
     raw: list[Raw] = []
     append = raw.append
-    for ti, (to, _te, taddrs) in enumerate(tgt):
-        for region, xo, xe, n in parts_of[ti]:
-            saddrs = region[2]
-            sdelta = tuple(map(sub, xo, region[0]))
-            tdelta = tuple(map(sub, xo, to))
-            for trank, toff, tstr in taddrs:
-                sa: Address
-                if len(saddrs) == 1 or mode == _LOWEST:
-                    sa = saddrs[0]
-                else:
-                    holders = tuple(a[0] for a in saddrs)
-                    if choose_balanced is not None:
-                        chosen = choose_balanced(trank, holders)
-                    elif fn is not None:
-                        request = ReplicaRequest(name, trank, Box(xo, xe), holders, n * itemsize)
-                        chosen = check_choice(request, fn(request))
-                    else:
-                        chosen = holders[0]
-                    sa = saddrs[holders.index(chosen)]
-                if recorder is not None:
-                    recorder(sa[0], n * itemsize)
-                sstr = sa[2]
-                append(
-                    (
-                        sa[0],
-                        sa[1] + sum(map(mul, sdelta, sstr)),
-                        sstr,
-                        trank,
-                        toff + sum(map(mul, tdelta, tstr)),
-                        tstr,
-                        xo,
-                        xe,
-                    )
-                )
+    for trank, toff, tstr, xo, xe, n, cands in entries:
+        if len(cands) == 1 or mode == _LOWEST:
+            c = cands[0]
+        else:
+            holders = tuple(x[0] for x in cands)
+            if choose_balanced is not None:
+                chosen = choose_balanced(trank, holders)
+            elif fn is not None:
+                request = ReplicaRequest(name, trank, Box(xo, xe), holders, n * itemsize)
+                chosen = check_choice(request, fn(request))
+            else:
+                chosen = holders[0]
+            c = cands[holders.index(chosen)]
+        if recorder is not None:
+            recorder(c[0], n * itemsize)
+        append((c[0], c[1], c[2], trank, toff, tstr, xo, xe))
     merged = merge_segments(raw, ndim)
     rows = [(r[0], r[1], r[3], r[4], *r[2], *r[5], *r[7]) for r in merged]
     rows.sort(key=lambda r: (r[2], r[3], r[0], r[1]))
