@@ -36,7 +36,7 @@ FORMAT_VERSION = 1
 RECORD_BYTES = 512
 _MAGIC = b"RSX" + bytes([FORMAT_VERSION])
 _HEAD = struct.Struct("<4sIiBBH32s16sQQQQ16s")
-_REASON_BYTES = RECORD_BYTES - _HEAD.size
+_REASON_BYTES = RECORD_BYTES - _HEAD.size  # 400
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,6 +111,10 @@ def _ranks(ranks: Sequence[int]) -> str:
     return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(str(r) for r in ranks)
 
 
+def _verb(ranks: Sequence[int], singular: str, plural: str) -> str:
+    return f"{_ranks(ranks)} {singular if len(ranks) == 1 else plural}"
+
+
 def _split_by(records: Sequence[Record], key: Any) -> list[list[int]]:
     """Ranks grouped by ``key(record)``; the largest group first (ties: the group of the lowest rank)."""
     groups: dict[Any, list[int]] = {}
@@ -128,7 +132,8 @@ def decide(records: Sequence[Record]) -> list[int]:
     if bad:
         found = records[bad[0]].magic
         raise PlanMismatchError(
-            _PREFIX + f"{_ranks(bad)} speak transport format {found!r}, this rank speaks {_MAGIC!r}"
+            _PREFIX
+            + f"{_verb(bad, 'speaks', 'speak')} transport format {found!r}, this rank speaks {_MAGIC!r}"
         )
     refusals = [(r, rec.reason) for r, rec in enumerate(records) if rec.refused]
     if refusals:
@@ -136,8 +141,7 @@ def decide(records: Sequence[Record]) -> list[int]:
     groups = _split_by(records, lambda rec: rec.digest_sha)
     if len(groups) > 1:
         described = ", ".join(
-            f"{_ranks(g)} {'hold' if len(g) > 1 else 'holds'} plan digest "
-            f"{records[g[0]].digest_prefix or '(empty)'}..."
+            f"{_verb(g, 'holds', 'hold')} plan digest {records[g[0]].digest_prefix or '(empty)'}..."
             for g in groups
         )
         raise PlanMismatchError(_PREFIX + f"ranks hold different plans: {described}")
@@ -145,7 +149,7 @@ def decide(records: Sequence[Record]) -> list[int]:
     if len(groups) > 1:
         odd = sorted(r for g in groups[1:] for r in g)
         raise PlanMismatchError(
-            _PREFIX + f"{_ranks(odd)} {'hold' if len(odd) > 1 else 'holds'} a tensor table that differs from "
+            _PREFIX + f"{_verb(odd, 'holds', 'hold')} a tensor table that differs from "
             f"that of {_ranks(groups[0])}, under the same plan digest"
         )
     groups = _split_by(records, lambda rec: (rec.zero_copy, rec.overlap))

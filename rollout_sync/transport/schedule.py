@@ -15,7 +15,7 @@ Wire format of a pair stream (one direction between two ranks):
   ``DIRECT_MIN_BYTES``) travels straight from source storage to target storage, no staging: it is cut into
   runs of at most ``message_bytes`` and run ``j`` of the pair is direct message ``j``;
 - every other segment is **packed**: the pair's packed segments are laid end to end, each part starting
-  at a multiple of ``ALIGN`` bytes, and cut into messages of at most ``message_bytes``. A segment that does
+  at a multiple of its element size, and cut into messages of at most ``message_bytes``. A segment that does
   not fit in the room left is cut by bytes, at an element boundary, in the row-major order of its extent
   (any axis, 1-D runs included): a run ``[start, start + count)`` of a segment is at most ``2·ndim − 1``
   boxes, or one flat copy where the segment is dense in a storage.
@@ -54,8 +54,8 @@ __all__ = [
 ]
 
 ALIGN = 16
-"""Every part starts at a multiple of this many bytes in its message (so typed views of the byte buffer
-are aligned for every dtype)."""
+"""Message sizes and staging slots are multiples of this many bytes (so every slot starts aligned for every
+dtype; a part within a message starts at a multiple of its own element size)."""
 
 DIRECT_MIN_BYTES = 1 << 16
 """A dense segment smaller than this is packed rather than sent on its own (a message costs more than a
@@ -227,7 +227,7 @@ def pair_messages(
             continue
         start = 0
         while start < n:
-            at = _align_up(used)
+            at = -(-used // size) * size  # typed views of the byte buffer need element alignment
             room = (message_bytes - at) // size if at < message_bytes else 0
             if room <= 0:
                 close()
