@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -87,6 +88,9 @@ def tiny_model(tiny_model_dir: Path) -> TinyModelFactory:
         path = tiny_model_dir / f"{kind}-seed{seed}"
         if (path / "config.json").exists():
             return make_tiny_model(kind, path, seed)  # reuses a stamped build, rebuilds a stale one
+        if "transformers" not in sys.modules:
+            with timings.timed("import torch + transformers (first tiny model build)"):
+                import transformers  # noqa: F401
         with timings.timed(f"tiny model build: {kind}, seed {seed}"):
             return make_tiny_model(kind, path, seed)
 

@@ -214,10 +214,12 @@ def _rebuild_under_zero_init(loaded: Any, hf_config: Any, ds_config: dict[str, A
     for name, param in model.named_parameters():
         with deepspeed.zero.GatheredParameters([param], modifier_rank=0), torch.no_grad():
             param.copy_(source[name])
-    buffers = dict(loaded.named_buffers())
-    with torch.no_grad():
-        for name, buffer in model.named_buffers():
-            buffer.copy_(buffers[name])
+    # zero.Init casts buffers to ``dtype``; the loaded model keeps e.g. rotary ``inv_freq`` in fp32. Take
+    # the loaded buffers as they are (dtype included), so both build paths compute the same forward.
+    loaded_modules = dict(loaded.named_modules())
+    for module_name, module in model.named_modules():
+        for buffer_name in list(module._buffers):
+            module._buffers[buffer_name] = loaded_modules[module_name]._buffers[buffer_name]
     return model
 
 
@@ -232,6 +234,47 @@ def train_step(engine: Any, seed: int = 0, batch: int = 1, seq_len: int = 16, vo
     engine.backward(loss)
     engine.step()
     return float(loss.detach().float().item())
+
+
+def full_parameters(engine: Any) -> dict[str, Any]:
+    """Every parameter of the engine's module as a full tensor (a gathered copy under ZeRO-3), by the
+    module's own parameter names. Collective under ZeRO-3: call it on every rank. Not for AutoTP or AutoEP
+    engines, whose modules hold shards under other names."""
+    import deepspeed
+
+    out: dict[str, Any] = {}
+    for name, param in engine.module.named_parameters():
+        if hasattr(param, "ds_id"):
+            with deepspeed.zero.GatheredParameters([param]):
+                out[name] = param.detach().clone()
+        else:
+            out[name] = param.detach().clone()
+    return out
+
+
+def checkpoint_mismatches(engine: Any, model_path: str | os.PathLike[str]) -> list[str]:
+    """Names of parameters and buffers of the engine's module that differ (bits or dtype) from the same
+    checkpoint loaded by plain ``from_pretrained`` at the engine's dtype; empty when the engine starts from
+    exactly the checkpoint. Collective under ZeRO-3 (see ``full_parameters``)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    params = full_parameters(engine)
+    dtype = next(iter(params.values())).dtype
+    reference = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=dtype)
+    expected = dict(reference.named_parameters())
+    mismatches = sorted(set(expected) ^ set(params))
+    for name, tensor in params.items():
+        if name in expected and not (
+            tensor.dtype == expected[name].dtype and torch.equal(tensor, expected[name].detach())
+        ):
+            mismatches.append(name)
+    expected_buffers = dict(reference.named_buffers())
+    for name, buffer in engine.module.named_buffers():
+        ref = expected_buffers.get(name)
+        if ref is None or ref.dtype != buffer.dtype or not torch.equal(ref, buffer):
+            mismatches.append(f"buffer {name}")
+    return mismatches
 
 
 def _ds_rank_main(

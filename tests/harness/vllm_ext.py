@@ -26,7 +26,8 @@ class HarnessWorkerExtension:
             "pid": os.getpid(),
         }
 
-    def rs_harness_param_shapes(self) -> dict[str, tuple[int, ...]]:
-        """Shape of every parameter of the worker's model, by vLLM's parameter name."""
+    def rs_harness_param_shapes(self) -> dict[str, list[int]]:
+        """Shape of every parameter of the worker's model, by vLLM's parameter name (lists: tuples in
+        an RPC result come back as lists through vLLM's serialization)."""
         model = self.model_runner.model
-        return {name: tuple(p.shape) for name, p in model.named_parameters()}
+        return {name: list(p.shape) for name, p in model.named_parameters()}

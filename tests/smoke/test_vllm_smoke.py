@@ -35,9 +35,9 @@ def test_the_tp2_engine_runs_one_worker_per_tp_rank_with_the_extension_loaded(en
 def test_each_tp2_worker_holds_half_of_the_padded_vocabulary(engine):
     for shapes in engine.collective_rpc("rs_harness_param_shapes"):
         # vocab 1000 padded to 1024 rows, 512 per TP rank; q 128 + k 64 + v 64 rows, halved.
-        assert shapes["model.embed_tokens.weight"] == (512, 128)
-        assert shapes["lm_head.weight"] == (512, 128)
-        assert shapes["model.layers.0.self_attn.qkv_proj.weight"] == (128, 128)
+        assert shapes["model.embed_tokens.weight"] == [512, 128]
+        assert shapes["lm_head.weight"] == [512, 128]
+        assert shapes["model.layers.0.self_attn.qkv_proj.weight"] == [128, 128]
 
 
 def test_cores_are_split_between_tp_workers_without_overlap():
