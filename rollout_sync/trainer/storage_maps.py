@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from itertools import pairwise
 from math import prod
 
 from ..errors import LayoutError, NotAffineError, UnsupportedLayoutError
@@ -34,6 +35,7 @@ from ..layout.box import row_major_strides
 from ..layout.builders import zero3_runs
 from ..layout.maps import TensorMap
 from ..layout.nesting import FlatRun, FlatRuns, Layout, Shard, ShardBlock, ShardStorage, Whole, nest
+from ..layout.runs import flat_run_boxes
 from .facts import STATES, LogicalPart, ParamFacts, TrainerFacts, ZeroGroup
 
 __all__ = ["LocalRun", "StorageMap", "part_layout", "shard_storages", "state_maps"]
@@ -187,7 +189,49 @@ def part_layout(
                     runs.append(FlatRun(run.rank, 0, 0))
                     local[run.rank] = LocalRun(pf.name, k, 0, 0, (0,))
             out_storage[k] = FlatRuns(tuple(runs))
+    _align_replica_runs(shards, out_storage)
     return Layout(part.name, part.shape, shards), out_storage, local
+
+
+def _align_replica_runs(shards: dict[int, Shard], storages: Mapping[int, ShardStorage]) -> None:
+    """Cut replicated shards at every run boundary of every replica, in place.
+
+    Placement ranks that hold the same shard (a parameter AutoTP leaves whole) store it as runs that can
+    start at different places (ZeRO-1/2 flat offsets differ between TP ranks whose split parameters differ
+    in size). A box of one rank's run would then overlap another rank's box of the same elements without
+    being the same box. Cutting the shard into blocks at the union of all boundaries (each block one flat
+    run of the shard, as ``flat_run_boxes`` cuts it) makes every rank's pieces those blocks, identical
+    across replicas, so that their holders are found."""
+    groups: dict[Shard, list[int]] = {}
+    for k, shard in shards.items():
+        if (
+            isinstance(storages[k], FlatRuns)
+            and len(shard.blocks) == 1
+            and shard.blocks[0].extent == shard.shape
+        ):
+            groups.setdefault(shard, []).append(k)
+    for shard, ks in groups.items():
+        n = prod(shard.shape)
+        bounds = []
+        for k in ks:
+            storage = storages[k]
+            runs = storage.runs if isinstance(storage, FlatRuns) else ()
+            bounds.append({0, n, *(x for r in runs if r.stop > r.start for x in (r.start, r.stop))})
+        if all(b == bounds[0] for b in bounds):
+            continue  # every replica cuts the shard the same way
+        cuts = sorted(set().union(*bounds))
+        (block,) = shard.blocks
+        blocks = []
+        for a, b in pairwise(cuts):
+            for box in flat_run_boxes(shard.shape, a, b):
+                logical = tuple(
+                    o - s + g
+                    for o, s, g in zip(box.origin, block.shard_origin, block.logical_origin, strict=True)
+                )
+                blocks.append(ShardBlock(box.origin, logical, box.extent))
+        cut = Shard(shard.shape, tuple(blocks))
+        for k in ks:
+            shards[k] = cut
 
 
 def state_maps(facts: TrainerFacts, state: str) -> list[StorageMap]:
