@@ -115,6 +115,9 @@ class TensorMap:
     dtype: str
     ranks: Mapping[int, RankStorage]
     _regions: tuple[Region, ...] = field(default=(), init=False, repr=False, compare=False)
+    _shapes: Mapping[int, tuple[int, ...]] = field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
 
     def __post_init__(self) -> None:
         name = self.name
@@ -141,13 +144,17 @@ class TensorMap:
                 )
         ordered = dict(sorted(ranks.items()))
         object.__setattr__(self, "ranks", MappingProxyType(ordered))
-        regions = _memo_regions(self.shape, ordered)
-        if regions is None:
+        memo = _memo(self.shape, ordered)
+        if memo is None:
             regions = normalize(name, self.shape, ordered)
+            shapes: Mapping[int, tuple[int, ...]] = MappingProxyType({r: s.shape for r, s in ordered.items()})
             if ordered:
                 first = next(iter(ordered.values()))
-                object.__setattr__(first, "_memo", (self.shape, tuple(ordered.items()), regions))
+                object.__setattr__(first, "_memo", (self.shape, tuple(ordered.items()), regions, shapes))
+        else:
+            regions, shapes = memo
         object.__setattr__(self, "_regions", regions)
+        object.__setattr__(self, "_shapes", shapes)
 
     @property
     def numel(self) -> int:
@@ -160,13 +167,20 @@ class TensorMap:
         return self._regions
 
     @property
+    def storage_shapes(self) -> Mapping[int, tuple[int, ...]]:
+        """rank -> storage shape, read-only (shared by maps built from the same storages)."""
+        return self._shapes
+
+    @property
     def piece_count(self) -> int:
         """Pieces listed on all ranks (a replicated piece counts once per holder)."""
         return sum(len(s.pieces) for s in self.ranks.values())
 
 
-def _memo_regions(shape: tuple[int, ...], ordered: dict[int, RankStorage]) -> tuple[Region, ...] | None:
-    """The regions of an earlier valid map with this shape and these very storage objects, if any.
+def _memo(
+    shape: tuple[int, ...], ordered: dict[int, RankStorage]
+) -> tuple[tuple[Region, ...], Mapping[int, tuple[int, ...]]] | None:
+    """(regions, storage shapes) of an earlier valid map with this shape and these very storage objects.
 
     Validity depends only on the logical shape and the storages (the name only words the errors, and only
     successful validations are remembered), so reusing the result is exact."""
@@ -181,5 +195,4 @@ def _memo_regions(shape: tuple[int, ...], ordered: dict[int, RankStorage]) -> tu
     for (rank, storage), (mrank, mstorage) in zip(ordered.items(), items, strict=True):
         if rank != mrank or storage is not mstorage:
             return None
-    regions: tuple[Region, ...] = memo[2]  # type: ignore[assignment]
-    return regions
+    return memo[2], memo[3]  # type: ignore[return-value]

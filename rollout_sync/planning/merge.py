@@ -20,37 +20,49 @@ Raw = tuple[int, int, tuple[int, ...], int, int, tuple[int, ...], tuple[int, ...
 
 
 def merge_segments(segments: list[Raw], ndim: int) -> list[Raw]:
-    """Fold mergeable segments (see the module docstring); the input list is not modified."""
+    """Fold mergeable segments (see the module docstring); the input list is not modified. Only segments
+    between the same two ranks can merge, so each (source rank, target rank) group is folded alone."""
     if len(segments) < 2 or ndim == 0:
         return segments
-    pairs = {(s[0], s[3]) for s in segments}
-    if len(pairs) == len(segments):
-        return segments  # only segments between the same two ranks can merge
-    segs = segments
-    while True:
-        before = len(segs)
-        for d in range(ndim - 1, -1, -1):
-            segs = _merge_axis(segs, d)
-        if len(segs) == before or len(segs) < 2:
-            return segs
+    groups: dict[tuple[int, int], list[Raw]] = {}
+    for s in segments:
+        key = (s[0], s[3])
+        got = groups.get(key)
+        if got is None:
+            groups[key] = [s]
+        else:
+            got.append(s)
+    if len(groups) == len(segments):
+        return segments
+    out: list[Raw] = []
+    for group in groups.values():
+        if len(group) == 1:
+            out.append(group[0])
+            continue
+        while True:
+            before = len(group)
+            for d in range(ndim - 1, -1, -1):
+                group = _merge_axis(group, d)
+            if len(group) == before or len(group) < 2:
+                break
+        out.extend(group)
+    return out
 
 
 def _merge_axis(segs: list[Raw], d: int) -> list[Raw]:
+    """One pass along axis ``d`` over segments that all go between the same two ranks."""
     n = len(segs)
     if n < 2:
         return segs
-    start: dict[tuple[int, int, tuple[int, ...], tuple[int, ...]], int] = {}
-    for i, s in enumerate(segs):
-        e = s[7]
-        start[(s[0], s[3], s[6], e[:d] + e[d + 1 :])] = i
+    start: dict[tuple[int, ...], int] = {s[6]: i for i, s in enumerate(segs)}
     nxt = [-1] * n
     has_prev = bytearray(n)
     linked = False
     for i, s in enumerate(segs):
-        o = s[6]
-        e = s[7]
-        j = start.get((s[0], s[3], (*o[:d], o[d] + e[d], *o[d + 1 :]), e[:d] + e[d + 1 :]))
-        if j is not None:
+        o = list(s[6])
+        o[d] += s[7][d]
+        j = start.get(tuple(o))
+        if j is not None and segs[j][7][:d] == s[7][:d] and segs[j][7][d + 1 :] == s[7][d + 1 :]:
             nxt[i] = j
             has_prev[j] = 1
             linked = True

@@ -182,9 +182,7 @@ class Plan:
         self._tensors = tensors
         self._records = records
         self._digest: str | None = None
-        self._index: (
-            dict[int, tuple[list[tuple[int, int]], list[tuple[int, int]], list[tuple[int, int]]]] | None
-        )
+        self._index: list[tuple[frozenset[int], frozenset[int]]] | None
         self._index = None
         self._segments: tuple[Segment, ...] | None = None
 
@@ -290,57 +288,66 @@ class Plan:
             self._digest = plan_digest(self)
         return self._digest
 
-    def _build_index(
-        self,
-    ) -> dict[int, tuple[list[tuple[int, int]], list[tuple[int, int]], list[tuple[int, int]]]]:
-        index: dict[int, tuple[list[tuple[int, int]], list[tuple[int, int]], list[tuple[int, int]]]] = {}
-        for i, t in enumerate(self._tensors):
+    def _remember_digest(self, digest: str) -> None:
+        """Keep a digest computed from this plan's canonical bytes elsewhere (the wire encoder)."""
+        if self._digest is None:
+            self._digest = digest
+
+    def _rank_sets(self) -> list[tuple[frozenset[int], frozenset[int]]]:
+        """Per tensor, the source ranks and the target ranks of its segments (built once)."""
+        if self._index is None:
+            sets = []
+            shared: dict[
+                int, tuple[frozenset[int], frozenset[int]]
+            ] = {}  # tensors may share one record array
+            for i, t in enumerate(self._tensors):
+                rec = self._records[i]
+                got = shared.get(id(rec))
+                if got is None:
+                    w = record_width(len(t.shape))
+                    got = shared[id(rec)] = (frozenset(rec[0::w]), frozenset(rec[2::w]))
+                sets.append(got)
+            self._index = sets
+        return self._index
+
+    def half(self, rank: int) -> PlanHalf:
+        """The segments ``rank`` sends, receives and copies locally, in plan order.
+
+        Cheap: the first call notes which ranks each tensor's segments involve (one pass over the records
+        in C); a half then visits only the tensors that involve ``rank``."""
+        sets = self._rank_sets()
+        sends: list[Segment] = []
+        receives: list[Segment] = []
+        local: list[Segment] = []
+        seg = self._segment
+        for i, (srcs, tgts) in enumerate(sets):
+            if rank not in srcs and rank not in tgts:
+                continue
             rec = self._records[i]
-            w = record_width(len(t.shape))
+            w = record_width(len(self._tensors[i].shape))
             for k in range(0, len(rec), w):
                 src = rec[k]
                 tgt = rec[k + 2]
-                if src == tgt:
-                    entry = index.get(src)
-                    if entry is None:
-                        entry = index[src] = ([], [], [])
-                    entry[2].append((i, k))
-                    continue
-                entry = index.get(src)
-                if entry is None:
-                    entry = index[src] = ([], [], [])
-                entry[0].append((i, k))
-                entry = index.get(tgt)
-                if entry is None:
-                    entry = index[tgt] = ([], [], [])
-                entry[1].append((i, k))
-        return index
-
-    def half(self, rank: int) -> PlanHalf:
-        """The segments ``rank`` sends, receives and copies locally, in plan order. The first call indexes
-        the plan by rank once (linear); each half then costs only its own size."""
-        if self._index is None:
-            self._index = self._build_index()
-        sends, receives, local = self._index.get(rank, ([], [], []))
-        seg = self._segment
+                if src == rank:
+                    (local if tgt == rank else sends).append(seg(i, k))
+                elif tgt == rank:
+                    receives.append(seg(i, k))
         return PlanHalf(
             rank=rank,
             digest=self.digest,
             tensors=self._tensors,
-            sends=tuple(seg(i, k) for i, k in sends),
-            receives=tuple(seg(i, k) for i, k in receives),
-            local=tuple(seg(i, k) for i, k in local),
+            sends=tuple(sends),
+            receives=tuple(receives),
+            local=tuple(local),
         )
 
     def ranks(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """(source ranks, target ranks) that appear in at least one segment, increasing."""
         src: set[int] = set()
         tgt: set[int] = set()
-        for i, t in enumerate(self._tensors):
-            rec = self._records[i]
-            w = record_width(len(t.shape))
-            src.update(rec[0::w])
-            tgt.update(rec[2::w])
+        for srcs, tgts in self._rank_sets():
+            src |= srcs
+            tgt |= tgts
         return tuple(sorted(src)), tuple(sorted(tgt))
 
     # ------------------------------------------------------------------ statistics

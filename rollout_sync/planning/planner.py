@@ -27,7 +27,6 @@ from array import array
 from collections.abc import Callable, Sequence
 from math import prod
 from operator import add, mul, sub
-from types import MappingProxyType
 
 from ..errors import CoverageError, LayoutError, ShapeMismatchError
 from ..layout.box import Box
@@ -112,12 +111,23 @@ def plan_model(
     chooser = _Chooser(policy)
     # Tensors with the same shape and regions on both sides (the layers of a model) share their geometry;
     # with the lowest policy they share their records too.
-    records_cache: dict[object, array] = {}
-    geometry_cache: dict[object, list[_Entry]] = {}
+    records_cache: dict[int, array] = {}
+    geometry_cache: dict[int, list[_Entry]] = {}
     tensors: list[PlannedTensor] = []
     records: list[array] = []
+    layouts: dict[object, int] = {}
+    known: dict[tuple[int, int, tuple[int, ...]], tuple[object, object, int]] = {}
     for s, t in pairs:
-        key = (s.shape, s.regions, t.regions)
+        # A layout is (shape, source regions, target regions). Maps rebuilt from the same storages share
+        # their regions object: look those up by identity first (the stored value keeps both objects alive,
+        # so the ids stay theirs), by content otherwise.
+        fast = (id(s.regions), id(t.regions), s.shape)
+        hit = known.get(fast)
+        if hit is None:
+            key = layouts.setdefault((s.shape, s.regions, t.regions), len(layouts))
+            known[fast] = (s.regions, t.regions, key)
+        else:
+            key = hit[2]
         rec = records_cache.get(key) if chooser.mode == _LOWEST else None
         if rec is None:
             entries = geometry_cache.get(key)
@@ -134,8 +144,8 @@ def plan_model(
                 t.shape,
                 s.dtype,
                 t.dtype,
-                MappingProxyType({r: st.shape for r, st in s.ranks.items()}),
-                MappingProxyType({r: st.shape for r, st in t.ranks.items()}),
+                s.storage_shapes,
+                t.storage_shapes,
             )
         )
     return Plan.from_records(tensors, records, validate=False)

@@ -9,10 +9,11 @@ Bodies:
 
 - maps: UTF-8 JSON ``{"maps": [[name, shape, dtype, [[rank, storage_shape, [[origin, extent, offset,
   strides, holders], ...]], ...]], ...]}``;
-- plan: ``u32`` JSON length, JSON ``{"tensors": [[name, shape, source_dtype, target_dtype,
-  [[rank, shape], ...], [[rank, shape], ...], segment_count], ...]}``, then every tensor's segment records
+- plan: ``u32`` JSON length, JSON ``{"tables": [[[rank, storage_shape], ...], ...], "tensors": [[name,
+  shape, source_dtype, target_dtype, source_table, target_table, segment_count], ...]}`` (storage tables
+  are written once and referenced by index), then every tensor's segment records
   (``rollout_sync.planning.plan``) as little-endian int64, tensor after tensor;
-- half: ``u32`` JSON length, JSON ``{"rank", "digest", "tensors": [... as in a plan, count 0 ...],
+- half: ``u32`` JSON length, JSON ``{"rank", "digest", "table": {... as in a plan, counts 0 ...},
   "counts": [sends, receives, local]}``, then the segments as little-endian int64 records each prefixed by
   its tensor index.
 
@@ -30,7 +31,8 @@ import struct
 import sys
 import zlib
 from array import array
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from types import MappingProxyType
 from typing import Any
 
 from ..errors import WireFormatError
@@ -65,7 +67,7 @@ __all__ = [
 
 def _frame(kind: bytes, body: bytes, compress: bool) -> bytes:
     if compress:
-        return _HEAD.pack(MAGIC, kind, WIRE_VERSION, 1) + zlib.compress(body, 6)
+        return _HEAD.pack(MAGIC, kind, WIRE_VERSION, 1) + zlib.compress(body, 1)
     return _HEAD.pack(MAGIC, kind, WIRE_VERSION, 0) + body
 
 
@@ -195,75 +197,111 @@ def _tup(x: Any) -> tuple[int, ...]:
 # ---------------------------------------------------------------------------------------------- plans
 
 
-def _tensor_entry(t: PlannedTensor, count: int) -> list[Any]:
-    return [
-        t.name,
-        list(t.shape),
-        t.source_dtype,
-        t.target_dtype,
-        [[r, list(s)] for r, s in sorted(t.source_storage.items())],
-        [[r, list(s)] for r, s in sorted(t.target_storage.items())],
-        count,
+class _Tables:
+    """Storage tables (rank -> storage shape) written once and referenced by index: the tensors of a model
+    share a handful of them."""
+
+    def __init__(self) -> None:
+        self.rows: list[list[Any]] = []
+        self._by_id: dict[int, int] = {}
+        self._by_content: dict[tuple[tuple[int, tuple[int, ...]], ...], int] = {}
+        self._keep: list[Mapping[int, tuple[int, ...]]] = []  # keep ids valid while encoding
+
+    def index(self, table: Mapping[int, tuple[int, ...]]) -> int:
+        got = self._by_id.get(id(table))
+        if got is not None:
+            return got
+        content = tuple(sorted(table.items()))
+        got = self._by_content.get(content)
+        if got is None:
+            got = self._by_content[content] = len(self.rows)
+            self.rows.append([[r, list(shape)] for r, shape in content])
+        self._by_id[id(table)] = got
+        self._keep.append(table)
+        return got
+
+
+def _tensor_table_json(tensors: Sequence[PlannedTensor], counts: Sequence[int]) -> bytes:
+    tables = _Tables()
+    entries = [
+        [
+            t.name,
+            list(t.shape),
+            t.source_dtype,
+            t.target_dtype,
+            tables.index(t.source_storage),
+            tables.index(t.target_storage),
+            count,
+        ]
+        for t, count in zip(tensors, counts, strict=True)
     ]
+    return _json({"tables": tables.rows, "tensors": entries})
 
 
-def _tensor_from(entry: Any) -> tuple[PlannedTensor, int]:
+def _tensors_from(obj: Any) -> list[tuple[PlannedTensor, int]]:
+    if (
+        not isinstance(obj, dict)
+        or not isinstance(obj.get("tensors"), list)
+        or not isinstance(obj.get("tables"), list)
+    ):
+        raise WireFormatError("body has no tensor table")
     try:
-        name, shape, sdt, tdt, sst, tst, count = entry
-        if not isinstance(name, str) or not isinstance(sdt, str) or not isinstance(tdt, str):
-            raise WireFormatError(f"malformed tensor entry {entry!r}")
-        t = PlannedTensor(
-            name,
-            _tup(shape),
-            sdt,
-            tdt,
-            {_int(r): _tup(s) for r, s in sst},
-            {_int(r): _tup(s) for r, s in tst},
-        )
-        return t, _int(count)
+        tables = []
+        for rows in obj["tables"]:
+            table = {}
+            for rank, shape in rows:
+                table[_int(rank)] = _tup(shape)
+            if any(r < 0 for r in table) or any(min(s, default=0) < 0 for s in table.values()):
+                raise WireFormatError(f"a storage table has a negative rank or size: {rows!r}")
+            tables.append(MappingProxyType(dict(sorted(table.items()))))
+        out = []
+        for name, shape, sdt, tdt, si, ti, count in obj["tensors"]:
+            if not isinstance(name, str) or not isinstance(sdt, str) or not isinstance(tdt, str):
+                raise WireFormatError(f"malformed tensor entry for {name!r}")
+            if not (0 <= _int(si) < len(tables) and 0 <= _int(ti) < len(tables)) or _int(count) < 0:
+                raise WireFormatError(f"tensor {name!r} names a storage table or count that does not exist")
+            out.append((PlannedTensor(name, _tup(shape), sdt, tdt, tables[si], tables[ti]), count))
+        return out
     except (TypeError, ValueError) as exc:
         if isinstance(exc, WireFormatError) or _is_layout(exc):
             raise
-        raise WireFormatError(f"malformed tensor entry: {exc!r}") from None
+        raise WireFormatError(f"malformed tensor table: {exc!r}") from None
 
 
 def _plan_body(plan: Plan) -> bytes:
-    tensors = [_tensor_entry(t, plan.segment_count(i)) for i, t in enumerate(plan.tensors)]
-    head = _json({"tensors": tensors})
-    ints = b"".join(_ints_to_bytes(plan.records(i)) for i in range(len(plan.tensors)))
+    n = len(plan.tensors)
+    head = _tensor_table_json(plan.tensors, [plan.segment_count(i) for i in range(n)])
+    ints = b"".join(_ints_to_bytes(plan.records(i)) for i in range(n))
     return _U32.pack(len(head)) + head + ints
 
 
+def _canonical_digest(body: bytes) -> str:
+    h = hashlib.sha256(_HEAD.pack(MAGIC, KIND_PLAN, WIRE_VERSION, 0))
+    h.update(body)
+    return h.hexdigest()
+
+
 def encode_plan(plan: Plan, *, compress: bool = True) -> bytes:
-    """A plan as wire bytes."""
-    return _frame(KIND_PLAN, _plan_body(plan), compress)
+    """A plan as wire bytes (and, as a side effect, the plan's digest, from the same canonical body)."""
+    body = _plan_body(plan)
+    plan._remember_digest(_canonical_digest(body))
+    return _frame(KIND_PLAN, body, compress)
 
 
 def plan_digest(plan: Plan) -> str:
     """sha256 hex of the plan's canonical bytes (uncompressed, flags 0)."""
-    h = hashlib.sha256(_HEAD.pack(MAGIC, KIND_PLAN, WIRE_VERSION, 0))
-    tensors = [_tensor_entry(t, plan.segment_count(i)) for i, t in enumerate(plan.tensors)]
-    head = _json({"tensors": tensors})
-    h.update(_U32.pack(len(head)))
-    h.update(head)
-    for i in range(len(plan.tensors)):
-        h.update(_ints_to_bytes(plan.records(i)))
-    return h.hexdigest()
+    return _canonical_digest(_plan_body(plan))
 
 
 def decode_plan(data: bytes) -> Plan:
     """A plan from wire bytes, validated (ranks and views against the tensor table)."""
-    obj, rest = _split_json(_unframe(data, KIND_PLAN))
-    if not isinstance(obj, dict) or not isinstance(obj.get("tensors"), list):
-        raise WireFormatError("plan body has no tensor table")
+    body = _unframe(data, KIND_PLAN)
+    obj, rest = _split_json(body)
     ints = _ints_from_bytes(rest)
     tensors = []
     records = []
     pos = 0
-    for entry in obj["tensors"]:
-        t, count = _tensor_from(entry)
-        if count < 0:
-            raise WireFormatError(f"tensor {t.name!r} has a negative segment count")
+    for t, count in _tensors_from(obj):
         n = count * record_width(len(t.shape))
         if pos + n > len(ints):
             raise WireFormatError(f"segment records of tensor {t.name!r} run past the end of the body")
@@ -272,7 +310,9 @@ def decode_plan(data: bytes) -> Plan:
         pos += n
     if pos != len(ints):
         raise WireFormatError(f"{len(ints) - pos} integers after the last tensor's records")
-    return Plan.from_records(tensors, records)
+    plan = Plan.from_records(tensors, records)
+    plan._remember_digest(_canonical_digest(body))
+    return plan
 
 
 # ---------------------------------------------------------------------------------------------- halves
@@ -284,7 +324,7 @@ def encode_half(half: PlanHalf, *, compress: bool = True) -> bytes:
         {
             "rank": half.rank,
             "digest": half.digest,
-            "tensors": [_tensor_entry(t, 0) for t in half.tensors],
+            "table": json.loads(_tensor_table_json(half.tensors, [0] * len(half.tensors))),
             "counts": [len(half.sends), len(half.receives), len(half.local)],
         }
     )
@@ -313,7 +353,7 @@ def decode_half(data: bytes) -> PlanHalf:
         rank = _int(obj["rank"])
         digest = obj["digest"]
         counts = [_int(c) for c in obj["counts"]]
-        tensors = tuple(_tensor_from(e)[0] for e in obj["tensors"])
+        tensors = tuple(t for t, _ in _tensors_from(obj["table"]))
         if not isinstance(digest, str) or len(counts) != 3:
             raise WireFormatError("malformed half header")
     except (KeyError, TypeError, ValueError) as exc:
