@@ -334,3 +334,28 @@ def test_a_random_callable_policy_is_called_only_for_replicated_boxes():
     plan = plan_model([source], [whole("w", (4, 2), [5])], pick)
     assert calls == [(1, 2)]
     check_plan_fills_targets(plan.iter_segments(), [source], [whole("w", (4, 2), [5])], lambda i: "w")
+
+
+def test_the_plan_is_byte_for_byte_the_same_in_processes_with_other_hash_seeds():
+    import os
+    import subprocess
+    import sys
+
+    script = (
+        "from planner_layouts import rows, flat_runs, whole\n"
+        "from rollout_sync.planning.planner import plan_model\n"
+        "s = [rows('a', (8, 6), [0, 1]), whole('b', (5, 3), [0, 1, 2]), rows('c', (4, 4), [3, 4])]\n"
+        "t = [flat_runs('a', (8, 6), [0, 7, 30, 48], [5, 6, 7]), whole('b', (5, 3), [5, 6]),"
+        " flat_runs('c', (4, 4), [0, 9, 16], [1, 2])]\n"
+        "print(plan_model(s, t, 'balanced').digest)\n"
+    )
+    here = os.path.dirname(__file__)
+    root = os.path.dirname(os.path.dirname(here))
+    digests = set()
+    for seed in ("0", "1", "12345"):
+        env = {**os.environ, "PYTHONHASHSEED": seed, "PYTHONPATH": os.pathsep.join([root, here])}
+        out = subprocess.run(
+            [sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True
+        )
+        digests.add(out.stdout.strip())
+    assert len(digests) == 1 and len(digests.pop()) == 64
