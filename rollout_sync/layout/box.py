@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from math import prod
 
+from ..errors import OutOfBoundsError, ShapeMismatchError
+
 
 @dataclass(frozen=True, slots=True)
 class Box:
@@ -14,10 +16,16 @@ class Box:
     extent: tuple[int, ...]
 
     def __post_init__(self) -> None:
-        if len(self.origin) != len(self.extent):
-            raise ValueError(f"box origin {self.origin} and extent {self.extent} differ in length")
-        if any(o < 0 for o in self.origin) or any(e < 0 for e in self.extent):
-            raise ValueError(f"box origin {self.origin} / extent {self.extent} has a negative entry")
+        origin = self.origin
+        extent = self.extent
+        if type(origin) is not tuple or type(extent) is not tuple or len(origin) != len(extent):
+            raise ShapeMismatchError(
+                "a box's origin and extent are tuples of one length",
+                expected="tuples",
+                found=(origin, extent),
+            )
+        if min(origin, default=0) < 0 or min(extent, default=0) < 0:
+            raise OutOfBoundsError("a box has a negative origin or extent", found=(origin, extent))
 
     @property
     def ndim(self) -> int:

@@ -1,1 +1,18 @@
 """Pure planning: from source and target maps to a deterministic plan of point-to-point copies."""
+
+from .plan import Plan, PlanHalf, PlannedTensor, Segment
+from .planner import plan_model, plan_tensor
+from .policy import Balanced, ReplicaPolicy, ReplicaRequest, lowest
+
+__all__ = [
+    "Balanced",
+    "Plan",
+    "PlanHalf",
+    "PlannedTensor",
+    "ReplicaPolicy",
+    "ReplicaRequest",
+    "Segment",
+    "lowest",
+    "plan_model",
+    "plan_tensor",
+]
