@@ -12,7 +12,8 @@ Fixtures:
   shared running engine. All engines are shut down at the end of the session, and a process left behind
   fails the run.
 
-Harness timings (model builds, engine start-ups) are printed in the terminal summary.
+Harness timings (model builds, engine start-ups) are printed in the terminal summary. A process that a
+test started and that is still alive when the session ends is listed, killed, and fails the run.
 """
 
 from __future__ import annotations
@@ -59,7 +60,40 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                 item.add_marker(pytest.mark.skip(reason=reason))
 
 
+_LEFTOVERS_KEY = pytest.StashKey[list[str]]()
+# Started once by Python's multiprocessing and kept until this process exits; not a leak.
+_PROCESS_LIFETIME_HELPERS = ("multiprocessing.resource_tracker", "multiprocessing.forkserver")
+
+
+@pytest.hookimpl(trylast=True)  # after the runner has torn down session fixtures (the engine pool)
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Every process a test started must be gone by now (engines shut down, ranks joined). Any that is not
+    is listed in the summary, killed by pid, and fails the run."""
+    try:
+        import psutil
+    except ImportError:
+        return
+    leftovers = []
+    for proc in psutil.Process().children(recursive=True):
+        try:
+            cmdline = " ".join(proc.cmdline())
+            if any(helper in cmdline for helper in _PROCESS_LIFETIME_HELPERS):
+                continue
+            leftovers.append(f"pid {proc.pid}: {proc.name()} {cmdline[:120]}")
+            proc.kill()
+        except psutil.Error:
+            continue
+    session.config.stash[_LEFTOVERS_KEY] = leftovers
+    if leftovers and session.exitstatus == pytest.ExitCode.OK:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    leftovers = terminalreporter.config.stash.get(_LEFTOVERS_KEY, [])
+    if leftovers:
+        terminalreporter.section("processes left running by the tests (killed; the run fails)", red=True)
+        for line in leftovers:
+            terminalreporter.write_line(line)
     figures = timings.records()
     if not figures:
         return
