@@ -54,6 +54,13 @@ class RolloutSyncExtension:
         self.rollout_sync_worker = worker
         return worker.summary()
 
+    def rollout_sync_fallback(self, names: Sequence[str], reason: str) -> dict[str, Any]:
+        """Stage ``names`` whole and load them through ``load_weights`` on this worker too (refused
+        elsewhere; a map's boxes must agree on every rank)."""
+        worker = self.rollout_sync_get()
+        worker.force_fallback(list(names), reason)
+        return worker.summary()
+
     def rollout_sync_local_targets(self) -> dict[str, Any]:
         """This worker's part of every target map, with storage views (``rollout_sync.rollout.codec``)."""
         return self.rollout_sync_get().local_targets_dict()

@@ -35,7 +35,7 @@ from rollout_sync.rollout.apply import (
 )
 from rollout_sync.rollout.checkpoint import logical_tensors, read_tensors
 from rollout_sync.rollout.codec import local_targets_to_dict
-from rollout_sync.rollout.probe import DEFAULT_MAX_PIECES, LocalTargets, local_targets
+from rollout_sync.rollout.probe import DEFAULT_MAX_PIECES, LocalTargets, fallback_map, local_targets
 
 __all__ = ["RolloutWorker", "param_digest"]
 
@@ -70,8 +70,12 @@ class RolloutWorker:
         *,
         tp_rank: int,
         probe_seconds: float,
+        fallback_dtype: str,
+        shapes: Mapping[str, tuple[int, ...]],
     ) -> None:
         self.model = model
+        self.fallback_dtype = fallback_dtype
+        self.shapes = dict(shapes)
         self.targets = targets
         self.derived = list(derived)
         self.tp_rank = tp_rank
@@ -126,7 +130,37 @@ class RolloutWorker:
             max_pieces=max_pieces,
         )
         derived = derived_copies(model, targets.views)
-        return cls(model, targets, derived, tp_rank=tp_rank, probe_seconds=result.seconds)
+        return cls(
+            model,
+            targets,
+            derived,
+            tp_rank=tp_rank,
+            probe_seconds=result.seconds,
+            fallback_dtype=model_dtype,
+            shapes=shapes,
+        )
+
+    def force_fallback(self, names: Sequence[str], reason: str) -> None:
+        """Take ``names`` through the full-tensor path on this rank too (a map's boxes must agree across
+        ranks, so a tensor refused on one rank is staged whole on every rank). Rebuilds the derived-copy
+        list, whose padding ranges depend on the views."""
+        from .derived import derived_copies
+
+        if self.session is not None:
+            raise IncompleteUpdateError(f"rank {self.rank}: cannot change targets while an update is open")
+        maps = dict(self.targets.maps)
+        views = dict(self.targets.views)
+        refused = dict(self.targets.refused)
+        for name in names:
+            if name in refused:
+                continue
+            shape = self.shapes.get(name)
+            if shape is None:
+                raise KeyError(f"rank {self.rank}: no logical tensor {name!r}")
+            maps[name], views[name] = fallback_map(name, shape, self.fallback_dtype, self.rank)
+            refused[name] = reason
+        self.targets = LocalTargets(self.rank, maps, views, refused, self.targets.absent)
+        self.derived = derived_copies(self.model, views)
 
     # ------------------------------------------------------------------------------------------ reports
 

@@ -195,6 +195,8 @@ def storage_shape(param_shape: tuple[int, ...], start: int, stop: int) -> tuple[
     ``(rows, *param_shape[k+1:])`` for the largest ``k`` such that the range lies inside one index of the
     axes before ``k`` and is aligned to whole slabs of axis ``k``; ``(stop - start,)`` if there is none."""
     n = stop - start
+    if not param_shape:
+        return ()
     best: tuple[int, ...] = (n,)
     for k in range(len(param_shape)):
         slab = prod(param_shape[k + 1 :])
@@ -208,14 +210,26 @@ def storage_shape(param_shape: tuple[int, ...], start: int, stop: int) -> tuple[
 
 
 def _pieces(
-    tensor: str, shape: tuple[int, ...], positions: np.ndarray, coords: np.ndarray, rank: int, max_pieces: int
+    tensor: str,
+    shape: tuple[int, ...],
+    positions: np.ndarray,
+    coords: np.ndarray,
+    rank: int,
+    max_pieces: int,
+    *,
+    dense: bool,
 ) -> list[tuple[Box, int, tuple[int, ...]]]:
     """Greedy decomposition of a dense storage (positions 0..n-1) into affine boxes.
 
-    Starting from the first unassigned element in logical row-major order, a box grows along the last
-    dimension, then the one before, and so on, as long as every element of the grown box is present,
-    unassigned and at ``start_position + Σ stride·(coordinate − origin)``. Growth gallops (doubling steps),
-    so a box of a million rows costs a few dozen checks.
+    A box starts at an unassigned element and grows along the last dimension, then the one before, and so
+    on, as long as every element of the grown box is present, unassigned and at ``start_position +
+    Σ stride·(coordinate − origin)``. Growth gallops (doubling steps), so a box of a million rows costs a
+    few dozen checks. Two modes:
+
+    - ``dense=False`` (boxes of an N-D storage, possibly transposed): start at the first unassigned element
+      in logical row-major order, strides taken from its neighbours;
+    - ``dense=True`` (dense runs of a flat storage): start at the first unassigned storage position,
+      strides row-major of the box's own extent.
     """
     ndim = len(shape)
     n = positions.shape[0]
@@ -225,6 +239,8 @@ def _pieces(
     order = np.argsort(linear, kind="stable")
     lin_sorted = linear[order]
     pos_sorted = positions[order]
+    coords_at = np.empty_like(coords)  # coordinate of the element at each storage position
+    coords_at[positions] = coords
     assigned = np.zeros(n, dtype=bool)  # indexed by storage position
     strides_all = row_major_strides(shape)
 
@@ -241,7 +257,7 @@ def _pieces(
             return None
         return pos_sorted[idx_clipped].reshape(extent)
 
-    def fits(origin: tuple[int, ...], extent: tuple[int, ...], base: int, strides: tuple[int, ...]) -> bool:
+    def fits(origin: tuple[int, ...], extent: tuple[int, ...], base: int, strides: Sequence[int]) -> bool:
         pos = lookup(origin, extent)
         if pos is None or assigned[pos.reshape(-1)].any():
             return False
@@ -253,10 +269,14 @@ def _pieces(
         return bool(np.array_equal(pos, expected))
 
     pieces: list[tuple[Box, int, tuple[int, ...]]] = []
-    cursor = 0  # index into lin_sorted of the next candidate start
+    cursor = 0  # next candidate start: index into lin_sorted, or a storage position when dense
     while True:
-        while cursor < n and assigned[pos_sorted[cursor]]:
-            cursor += 1
+        if dense:
+            while cursor < n and assigned[cursor]:
+                cursor += 1
+        else:
+            while cursor < n and assigned[pos_sorted[cursor]]:
+                cursor += 1
         if cursor == n:
             break
         if len(pieces) == max_pieces:
@@ -268,20 +288,27 @@ def _pieces(
                 expected=f"at most {max_pieces} pieces",
                 found=f"{len(pieces)} pieces covering {int(assigned.sum())} of {n} elements",
             )
-        start = tuple(int(c) for c in np.unravel_index(int(lin_sorted[cursor]), shape))
-        base = int(pos_sorted[cursor])
+        if dense:
+            start = tuple(int(c) for c in coords_at[cursor])
+            base = cursor
+        else:
+            start = tuple(int(c) for c in np.unravel_index(int(lin_sorted[cursor]), shape))
+            base = int(pos_sorted[cursor])
         strides = [0] * ndim
-        known = [False] * ndim
-        for d in range(ndim):
-            if start[d] + 1 < shape[d]:
-                nb = lookup(tuple(s + (1 if i == d else 0) for i, s in enumerate(start)), (1,) * ndim)
-                if nb is not None and not assigned[int(nb.reshape(-1)[0])]:
-                    step = int(nb.reshape(-1)[0]) - base
-                    if step > 0:
-                        strides[d] = step
-                        known[d] = True
+        known = [dense] * ndim
+        if not dense:
+            for d in range(ndim):
+                if start[d] + 1 < shape[d]:
+                    nb = lookup(tuple(s + (1 if i == d else 0) for i, s in enumerate(start)), (1,) * ndim)
+                    if nb is not None and not assigned[int(nb.reshape(-1)[0])]:
+                        step = int(nb.reshape(-1)[0]) - base
+                        if step > 0:
+                            strides[d] = step
+                            known[d] = True
         extent = [1] * ndim
         for d in range(ndim - 1, -1, -1):
+            if dense:
+                strides[d] = prod(extent[d + 1 :])
             if not known[d]:
                 continue
             step = 1
@@ -290,7 +317,7 @@ def _pieces(
                 origin_slab = tuple(start[i] + (extent[d] if i == d else 0) for i in range(ndim))
                 extent_slab = tuple(step if i == d else extent[i] for i in range(ndim))
                 base_slab = base + extent[d] * strides[d]
-                if fits(origin_slab, extent_slab, base_slab, tuple(strides)):
+                if fits(origin_slab, extent_slab, base_slab, strides):
                     extent[d] += step
                     step *= 2
                 elif step > 1:
@@ -372,12 +399,65 @@ def target_map(
             found=stop,
         )
     rel = positions - start
-    pieces = _pieces(tensor, shape, rel, coords, rank, max_pieces)
-    view = StorageView(landing.param, start, storage_shape(landing.param_shape, start, stop))
-    storage = RankStorage(
-        view.shape, tuple(Piece(box, off, strides, (rank,)) for box, off, strides in pieces)
+    reasons: list[str] = []
+
+    def cut(dense: bool) -> tuple[Piece, ...]:
+        found = _pieces(tensor, shape, rel, coords, rank, max_pieces, dense=dense)
+        return tuple(Piece(box, off, strides, (rank,)) for box, off, strides in found)
+
+    attempts: list[tuple[tuple[int, ...], tuple[Piece, ...]]] = []
+    pieces: tuple[Piece, ...] = ()
+    try:
+        pieces = cut(False)
+    except NotAffineError as exc:
+        reasons.append(f"boxes of an N-D storage: {exc.reason}")
+    else:
+        attempts += [
+            (c, pieces) for c in _storage_shapes(landing.param_shape, start, stop, len(shape), pieces)
+        ]
+    try:
+        runs = cut(True)
+    except NotAffineError as exc:
+        reasons.append(f"dense runs of a flat storage: {exc.reason}")
+    else:
+        if runs != pieces:
+            attempts.append(((n,), runs))
+    for candidate, cut_pieces in attempts:
+        try:
+            tmap = TensorMap(tensor, tuple(shape), dtype, {rank: RankStorage(candidate, cut_pieces)})
+        except LayoutError as exc:  # the pieces are not addressable in a storage of this shape
+            reasons.append(f"{candidate}: {exc.reason}")
+            continue
+        return tmap, StorageView(landing.param, start, candidate)
+    raise NotAffineError(
+        "no storage shape makes these pieces addressable (pieces must be boxes of an N-D storage or dense "
+        "runs of a flat one)",
+        tensor=tensor,
+        rank=rank,
+        expected="one of " + "; ".join(reasons),
+        found=f"{len(pieces)} pieces in parameter {landing.param!r}",
     )
-    return TensorMap(tensor, tuple(shape), dtype, {rank: storage}), view
+
+
+def _storage_shapes(
+    param_shape: tuple[int, ...], start: int, stop: int, ndim: int, pieces: Sequence[Piece]
+) -> list[tuple[int, ...]]:
+    """Candidate shapes of the storage view, best first: the parameter's trailing shape (``storage_shape``),
+    the first piece's extent in storage-axis order (a transposed copy in a flat parameter), flat."""
+    n = stop - start
+    out = [storage_shape(param_shape, start, stop)]
+    if pieces and ndim > 1:
+        first = pieces[0]
+        order = sorted(range(ndim), key=lambda d: -first.strides[d])
+        inner = prod(first.box.extent[d] for d in order[1:])
+        if inner and n % inner == 0:
+            out.append((n // inner, *(first.box.extent[d] for d in order[1:])))
+    out.append((n,))
+    unique = []
+    for candidate in out:
+        if candidate not in unique:
+            unique.append(candidate)
+    return unique
 
 
 def fallback_map(tensor: str, shape: tuple[int, ...], dtype: str, rank: int) -> tuple[TensorMap, StorageView]:

@@ -1,0 +1,128 @@
+"""Writing into storage views in place and rebuilding derived copies (``rollout_sync.rollout.apply``), with
+plain CPU tensors standing for an engine's parameters (no vLLM)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rollout_sync.errors import IncompleteUpdateError, OutOfBoundsError, UnsupportedLayoutError
+from rollout_sync.layout.box import Box
+from rollout_sync.layout.maps import Piece, RankStorage
+from rollout_sync.rollout.apply import (
+    DerivedCopy,
+    UpdateSession,
+    covered_ranges,
+    storage_tensor,
+    uncovered_ranges,
+    write_pieces,
+    write_segment,
+)
+from rollout_sync.rollout.probe import StorageView
+
+
+def test_a_storage_view_is_a_row_range_of_the_parameter_without_a_copy():
+    qkv = torch.zeros(8, 4)
+    k = storage_tensor(qkv, StorageView("qkv", 16, (2, 4)), tensor="k", rank=0)
+    k.fill_(1)
+    assert k.data_ptr() == qkv[4].data_ptr()
+    assert qkv[4:6].eq(1).all() and qkv[:4].eq(0).all() and qkv[6:].eq(0).all()
+
+
+def test_a_storage_view_refuses_a_strided_parameter_and_a_range_past_its_end():
+    with pytest.raises(UnsupportedLayoutError, match="contiguous"):
+        storage_tensor(torch.zeros(4, 8).t(), StorageView("w", 0, (8, 4)), tensor="w", rank=1)
+    with pytest.raises(OutOfBoundsError) as err:
+        storage_tensor(torch.zeros(4, 4), StorageView("w", 8, (3, 4)), tensor="w", rank=1)
+    assert err.value.tensor == "w" and err.value.rank == 1
+
+
+def test_write_pieces_copies_a_column_shard_and_a_transposed_piece():
+    full = torch.arange(24.0).view(4, 6)
+    # Row-parallel shard: columns 3:6 in a (4, 3) storage.
+    shard = torch.zeros(4, 3)
+    n = write_pieces(shard, RankStorage((4, 3), (Piece(Box((0, 3), (4, 3)), 0, (3, 1), (1,)),)), full)
+    assert n == 12 and torch.equal(shard, full[:, 3:])
+    # The whole tensor stored transposed.
+    t = torch.zeros(6, 4)
+    write_pieces(t, RankStorage((6, 4), (Piece(Box((0, 0), (4, 6)), 0, (1, 4), (0,)),)), full)
+    assert torch.equal(t, full.t())
+
+
+def test_write_segment_addresses_the_storage_view_not_the_parameter_start():
+    param = torch.zeros(10)
+    view = param[4:8]
+    write_segment(view, 1, (1,), (2,), torch.tensor([5.0, 6.0]))
+    assert param.tolist() == [0, 0, 0, 0, 0, 5, 6, 0, 0, 0]
+
+
+def test_uncovered_ranges_are_the_gaps_between_storage_views():
+    views = [StorageView("e", 0, (3, 2)), StorageView("e", 8, (1, 2)), StorageView("x", 0, (4,))]
+    assert covered_ranges(views, "e") == [(0, 6), (8, 10)]
+    assert uncovered_ranges(12, covered_ranges(views, "e")) == [(6, 8), (10, 12)]
+    assert uncovered_ranges(4, covered_ranges(views, "x")) == []
+
+
+def _session(derived, load_full=None):
+    params = {"w13": torch.zeros(2, 4), "norm": torch.zeros(3)}
+    views = {
+        "gate": StorageView("w13", 0, (1, 4)),
+        "up": StorageView("w13", 4, (1, 4)),
+        "norm": StorageView("norm", 0, (3,)),
+        "odd": StorageView(None, 0, (2, 2)),
+    }
+    dtypes = dict.fromkeys(views, "float32")
+    return UpdateSession(7, views, dtypes, params, derived, load_full or (lambda staged: None)), params
+
+
+def test_an_in_place_derived_copy_is_rebuilt_only_from_a_wholly_written_parameter():
+    calls = []
+    prepack = DerivedCopy("prepack", frozenset({"w13"}), lambda: calls.append("prepack"), True)
+    session, params = _session([prepack])
+    session.storage("gate").fill_(1)
+    session.mark_written("gate")
+    with pytest.raises(IncompleteUpdateError, match=r"did not write 1 of their tensors \(first: \['up'\]\)"):
+        session.finish()
+    assert calls == []
+    session, params = _session([prepack])
+    for name in ("gate", "up"):
+        session.storage(name).fill_(2)
+        session.mark_written(name)
+    assert session.finish() == ["prepack"]
+    assert calls == ["prepack"] and params["w13"].eq(2).all()
+
+
+def test_a_derived_copy_of_an_untouched_parameter_is_left_alone():
+    calls = []
+    dense = DerivedCopy("dense", frozenset({"norm"}), lambda: calls.append("dense"), False)
+    session, _ = _session([dense])
+    session.storage("gate").fill_(1)
+    session.mark_written("gate")
+    assert session.finish() == [] and calls == []
+
+
+def test_a_staged_tensor_is_loaded_whole_through_the_full_tensor_path_before_refreshes():
+    order = []
+    loaded = {}
+
+    def load_full(staged):
+        order.append("load")
+        loaded.update({n: t.clone() for n, t in staged})
+
+    derived = DerivedCopy("norm copy", frozenset({"norm"}), lambda: order.append("refresh"), False)
+    session, _ = _session([derived], load_full)
+    buf = session.storage("odd")
+    assert buf.shape == (2, 2) and buf.dtype == torch.float32
+    buf.copy_(torch.arange(4.0).view(2, 2))
+    session.mark_written("odd")
+    session.storage("norm").fill_(1)
+    session.mark_written("norm")
+    session.finish()
+    assert order == ["load", "refresh"]
+    assert torch.equal(loaded["odd"], torch.arange(4.0).view(2, 2))
+
+
+def test_a_tensor_this_rank_does_not_hold_is_refused_by_name():
+    session, _ = _session([])
+    with pytest.raises(KeyError, match=r"rank 7 holds no storage of tensor 'lm_head\.weight'"):
+        session.storage("lm_head.weight")

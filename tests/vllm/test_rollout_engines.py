@@ -1,0 +1,137 @@
+"""Several vLLM engines (data-parallel replicas, TP 2 each) are targets of one plan: tiny Qwen3 with tied
+embeddings on real vLLM CPU engines.
+
+Global ranks: trainer rank 0 holds every logical tensor of checkpoint B whole (a stand-in source read from
+the checkpoint: no trainer is needed to check the rollout side); engine X (started from checkpoint A) is
+ranks 1-2, engine Y (started from B) ranks 3-4. One plan fills every worker of both engines; each worker
+applies the segments of its own half. Afterwards X equals Y as Y started (tokens, every parameter bit for
+bit) and Y is unchanged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from rollout_sync.layout.box import Box, row_major_strides
+from rollout_sync.layout.maps import Piece, RankStorage, TensorMap
+from rollout_sync.planning.plan import Plan
+from rollout_sync.planning.planner import plan_model
+from rollout_sync.rollout.checkpoint import logical_tensors
+from rollout_sync.rollout.targets import RolloutTargets
+from tests.harness.vllm_engines import start_vllm_engine, vllm_spec
+from tests.vllm.rollout_checks import Snapshot, builder_differences, differing_params, snapshot
+from tests.vllm.rollout_ext import ROLLOUT_TEST_EXTENSION
+from vllm_plugin.driver import setup_engines
+
+pytestmark = pytest.mark.vllm
+
+TRAINER_RANK = 0
+
+
+def whole_source_maps(checkpoint: Path) -> list[TensorMap]:
+    """Rank 0 holds every tensor of ``checkpoint`` whole, row-major."""
+    maps = []
+    for name, (shape, dtype) in logical_tensors(checkpoint).items():
+        piece = Piece(Box((0,) * len(shape), shape), 0, row_major_strides(shape), (TRAINER_RANK,))
+        maps.append(TensorMap(name, shape, dtype, {TRAINER_RANK: RankStorage(shape, (piece,))}))
+    return maps
+
+
+def receive_rows(plan: Plan, rank: int) -> list[list[Any]]:
+    half = plan.half(rank)
+    assert half.sends == () and half.local == ()
+    return [
+        [
+            half.tensors[s.tensor].name,
+            s.source_offset,
+            list(s.source_strides),
+            s.target_offset,
+            list(s.target_strides),
+            list(s.extent),
+        ]
+        for s in half.receives
+    ]
+
+
+@dataclass
+class Fleet:
+    a: Path
+    b: Path
+    fresh_x: Snapshot
+    fresh_y: Snapshot
+    targets: RolloutTargets
+    plan: Plan
+    reports: list[list[dict[str, Any]]]
+    after_x: Snapshot
+    after_y: Snapshot
+
+
+@pytest.fixture(scope="module")
+def fleet(tiny_model: Any) -> Iterator[Fleet]:
+    a, b = tiny_model("dense-tied", 0), tiny_model("dense-tied", 1)
+    x = start_vllm_engine(vllm_spec(a, 2, worker_extension_cls=ROLLOUT_TEST_EXTENSION))
+    try:
+        y = start_vllm_engine(vllm_spec(b, 2, worker_extension_cls=ROLLOUT_TEST_EXTENSION))
+        try:
+            fresh_x, fresh_y = snapshot(x), snapshot(y)
+            targets = setup_engines([x.llm, y.llm], first_rank=TRAINER_RANK + 1)
+            plan = plan_model(whole_source_maps(b), targets.map_list())
+            reports = []
+            for engine, ranks in zip((x, y), targets.engines, strict=True):
+                receives = {str(r): receive_rows(plan, r) for r in ranks}
+                reports.append(
+                    engine.collective_rpc("rs_rollout_test_apply_segments", args=(str(b), receives))
+                )
+                engine.llm.reset_prefix_cache()
+            yield Fleet(a, b, fresh_x, fresh_y, targets, plan, reports, snapshot(x), snapshot(y))
+        finally:
+            y.shutdown()
+    finally:
+        x.shutdown()
+
+
+def test_one_plan_brings_every_engine_to_the_sources_weights_bit_for_bit(fleet: Fleet):
+    assert fleet.fresh_x.tokens != fleet.fresh_y.tokens
+    assert fleet.after_x.tokens == fleet.fresh_y.tokens
+    assert differing_params(fleet.after_x, fleet.fresh_y) == []
+    assert fleet.after_y == fleet.fresh_y
+
+
+def test_engines_are_numbered_after_the_trainer_in_tp_rank_order(fleet: Fleet):
+    assert fleet.targets.engines == ((1, 2), (3, 4))
+    assert [[r["rank"] for r in engine] for engine in fleet.reports] == [[1, 2], [3, 4]]
+
+
+def test_each_worker_receives_exactly_the_elements_of_its_storages(fleet: Fleet):
+    for engine in fleet.reports:
+        for report in engine:
+            rank = report["rank"]
+            held = sum(m.ranks[rank].numel for m in fleet.targets.maps.values() if rank in m.ranks)
+            assert report["elements"] == held
+            assert report["written"] == len(fleet.targets.views[rank])
+
+
+def test_tied_embeddings_are_one_storage_and_the_alias_is_no_target(fleet: Fleet):
+    maps = fleet.targets.maps
+    assert "lm_head.weight" not in maps
+    assert set(maps) == set(logical_tensors(fleet.b))
+    for rank in (1, 2, 3, 4):
+        assert fleet.targets.views[rank]["model.embed_tokens.weight"].param == "model.embed_tokens.weight"
+    # Vocab-parallel rows: the second TP rank of each engine holds rows 512-999 (24 padding rows excluded).
+    embed = maps["model.embed_tokens.weight"]
+    assert [p.box for p in embed.ranks[4].pieces] == [Box((512, 0), (488, 128))]
+    assert embed.ranks[4].pieces[0].holders == (2, 4)
+
+
+def test_replicated_norms_are_held_by_every_worker_of_every_engine(fleet: Fleet):
+    norm = fleet.targets.maps["model.norm.weight"]
+    assert {p.holders for s in norm.ranks.values() for p in s.pieces} == {(1, 2, 3, 4)}
+
+
+def test_the_probed_fleet_maps_equal_the_pure_builders(fleet: Fleet):
+    assert builder_differences(fleet.targets.maps, fleet.a, 2, 2, TRAINER_RANK + 1) == []
