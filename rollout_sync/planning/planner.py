@@ -23,8 +23,10 @@ with identical layouts (the layers of a model) are planned once and share their 
 
 from __future__ import annotations
 
+import gc
 from array import array
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from math import prod
 from operator import add, mul, sub
 
@@ -33,6 +35,7 @@ from ..layout.box import Box
 from ..layout.dtypes import ITEMSIZE
 from ..layout.maps import TensorMap
 from ..layout.sweep import overlapping_pairs
+from ..layout.validate import Address, Region
 from .merge import Raw, merge_segments
 from .plan import Plan, PlannedTensor, Segment
 from .policy import Balanced, ReplicaPolicy, ReplicaRequest, check_choice
@@ -88,6 +91,24 @@ def plan_model(
     ``rollout_sync.planning.policy``). Extra source maps are ignored. Raises ``LayoutError`` subclasses
     naming the tensor (and rank and box where there is one) before returning any plan.
     """
+    with _gc_paused():
+        return _plan_model(sources, targets, policy)
+
+
+@contextmanager
+def _gc_paused() -> Iterator[None]:
+    """Planning allocates many small acyclic tuples; the cyclic collector would rescan them again and again
+    (a large share of the time on big plans). Pause it while planning, restore it after."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
+def _plan_model(sources: Sequence[TensorMap], targets: Sequence[TensorMap], policy: ReplicaPolicy) -> Plan:
     by_name: dict[str, TensorMap] = {}
     for m in sources:
         if m.name in by_name:
@@ -196,17 +217,20 @@ def _geometry(source: TensorMap, target: TensorMap) -> list[_Entry]:
         got = 0
         t_end = tuple(map(add, to, te))
         first = len(entries)
-        for si in sis:
-            so, se, saddrs = src[si]
-            xo = tuple(map(max, so, to))
-            xe = tuple(map(sub, map(min, map(add, so, se), t_end), xo))
-            n = prod(xe)
-            got += n
-            sdelta = tuple(map(sub, xo, so))
-            tdelta = tuple(map(sub, xo, to))
-            cands = tuple((r, off + sum(map(mul, sdelta, st)), st) for r, off, st in saddrs)
-            for trank, toff, tstr in taddrs:
-                entries.append((trank, toff + sum(map(mul, tdelta, tstr)), tstr, xo, xe, n, cands))
+        if len(to) == 2:
+            got = _intersect_2d(src, sis, to, t_end, taddrs, entries)
+        else:
+            for si in sis:
+                so, se, saddrs = src[si]
+                xo = tuple(map(max, so, to))
+                xe = tuple(map(sub, map(min, map(add, so, se), t_end), xo))
+                n = prod(xe)
+                got += n
+                sdelta = tuple(map(sub, xo, so))
+                tdelta = tuple(map(sub, xo, to))
+                cands = tuple((r, off + sum(map(mul, sdelta, st)), st) for r, off, st in saddrs)
+                for trank, toff, tstr in taddrs:
+                    entries.append((trank, toff + sum(map(mul, tdelta, tstr)), tstr, xo, xe, n, cands))
         volume = prod(te)
         if got != volume:
             parts = [(e[3], e[4]) for e in entries[first :: max(1, len(taddrs))]]
@@ -219,6 +243,42 @@ def _geometry(source: TensorMap, target: TensorMap) -> list[_Entry]:
                 found=f"{got}; for example no source holds {_uncovered(to, te, parts)}",
             )
     return entries
+
+
+def _intersect_2d(
+    src: tuple[Region, ...],
+    sis: list[int],
+    to: tuple[int, ...],
+    t_end: tuple[int, ...],
+    taddrs: tuple[Address, ...],
+    entries: list[_Entry],
+) -> int:
+    """The loop of ``_geometry`` for matrices, unrolled (the common case); returns the covered volume."""
+    t0, t1 = to
+    e0, e1 = t_end
+    got = 0
+    for si in sis:
+        (s0, s1), (n0, n1), saddrs = src[si]
+        x0 = s0 if s0 > t0 else t0
+        x1 = s1 if s1 > t1 else t1
+        y0 = s0 + n0
+        y1 = s1 + n1
+        xe = ((y0 if y0 < e0 else e0) - x0, (y1 if y1 < e1 else e1) - x1)
+        xo = (x0, x1)
+        n = xe[0] * xe[1]
+        got += n
+        d0 = x0 - s0
+        d1 = x1 - s1
+        if len(saddrs) == 1:
+            r, off, st = saddrs[0]
+            cands: tuple[Address, ...] = ((r, off + d0 * st[0] + d1 * st[1], st),)
+        else:
+            cands = tuple((r, off + d0 * st[0] + d1 * st[1], st) for r, off, st in saddrs)
+        d0 = x0 - t0
+        d1 = x1 - t1
+        for trank, toff, tstr in taddrs:
+            entries.append((trank, toff + d0 * tstr[0] + d1 * tstr[1], tstr, xo, xe, n, cands))
+    return got
 
 
 def _emit(
