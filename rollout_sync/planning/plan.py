@@ -122,6 +122,53 @@ def record_width(ndim: int) -> int:
     return 4 + 3 * ndim
 
 
+def check_segment(tensor: PlannedTensor, segment: Segment) -> None:
+    """Refuse a segment whose ranks have no storage of ``tensor`` or whose views leave their storages."""
+    _check_record(
+        tensor,
+        {r: prod(s) for r, s in tensor.source_storage.items()},
+        {r: prod(s) for r, s in tensor.target_storage.items()},
+        (
+            segment.source_rank,
+            segment.source_offset,
+            segment.target_rank,
+            segment.target_offset,
+            *segment.source_strides,
+            *segment.target_strides,
+            *segment.extent,
+        ),
+    )
+
+
+def _check_record(t: PlannedTensor, snumel: dict[int, int], tnumel: dict[int, int], x: Sequence[int]) -> None:
+    n = len(t.shape)
+    if len(x) != record_width(n):
+        raise ShapeMismatchError("a segment's ndim differs from its tensor's", tensor=t.name, expected=n)
+    ext = x[4 + 2 * n :]
+    if min(ext, default=1) < 1 or min(x[1:], default=0) < 0 or x[0] < 0:
+        raise PlanMismatchError(f"tensor {t.name!r}: segment record {list(x)} has a bad value")
+    for rank, off, strides, table, side in (
+        (x[0], x[1], x[4 : 4 + n], snumel, "source"),
+        (x[2], x[3], x[4 + n : 4 + 2 * n], tnumel, "target"),
+    ):
+        numel = table.get(rank)
+        if numel is None:
+            raise PlanMismatchError(
+                f"tensor {t.name!r}: a segment names {side} rank {rank}, which has no storage"
+            )
+        reach = off
+        for e, s in zip(ext, strides, strict=True):
+            reach += (e - 1) * s
+        if reach >= numel:
+            raise OutOfBoundsError(
+                f"a segment's {side} view leaves its storage",
+                tensor=t.name,
+                rank=rank,
+                expected=f"last element < {numel}",
+                found=f"offset {off}, strides {tuple(strides)}, extent {tuple(ext)} reach {reach}",
+            )
+
+
 class Plan:
     """All segments of a model's sync: ``tensors`` (the tensor table), ``segments`` (sorted by tensor,
     then target rank, target offset, source rank, source offset), ``digest`` (sha256 hex of the canonical
@@ -201,30 +248,7 @@ class Plan:
             snumel = {r: prod(s) for r, s in t.source_storage.items()}
             tnumel = {r: prod(s) for r, s in t.target_storage.items()}
             for k in range(0, len(rec), w):
-                x = rec[k : k + w]
-                ext = x[4 + 2 * n :]
-                if min(ext, default=1) < 1 or min(x[1:], default=0) < 0 or x[0] < 0:
-                    raise PlanMismatchError(f"tensor {t.name!r}: segment record {list(x)} has a bad value")
-                for rank, off, strides, table, side in (
-                    (x[0], x[1], x[4 : 4 + n], snumel, "source"),
-                    (x[2], x[3], x[4 + n : 4 + 2 * n], tnumel, "target"),
-                ):
-                    numel = table.get(rank)
-                    if numel is None:
-                        raise PlanMismatchError(
-                            f"tensor {t.name!r}: a segment names {side} rank {rank}, which has no storage"
-                        )
-                    reach = off
-                    for e, s in zip(ext, strides, strict=True):
-                        reach += (e - 1) * s
-                    if reach >= numel:
-                        raise OutOfBoundsError(
-                            f"a segment's {side} view leaves its storage",
-                            tensor=t.name,
-                            rank=rank,
-                            expected=f"last element < {numel}",
-                            found=f"offset {off}, strides {tuple(strides)}, extent {tuple(ext)} reach {reach}",
-                        )
+                _check_record(t, snumel, tnumel, rec[k : k + w])
 
     # ------------------------------------------------------------------ reading
 

@@ -38,7 +38,7 @@ from typing import Any
 from ..errors import WireFormatError
 from ..layout.box import Box
 from ..layout.maps import Piece, RankStorage, TensorMap
-from .plan import Plan, PlanHalf, PlannedTensor, Segment, record_width
+from .plan import Plan, PlanHalf, PlannedTensor, Segment, check_segment, record_width
 
 MAGIC = b"RSYNC"
 WIRE_VERSION = 1
@@ -385,9 +385,7 @@ def decode_half(data: bytes) -> PlanHalf:
                 tuple(r[4 + n : 4 + 2 * n]),
                 tuple(r[4 + 2 * n :]),
             )
-            t = tensors[ti]
-            if seg.source_rank not in t.source_storage or seg.target_rank not in t.target_storage:
-                raise WireFormatError(f"a half segment names a rank with no storage of tensor {t.name!r}")
+            check_segment(tensors[ti], seg)
             groups[g].append(seg)
             pos += 1 + w
     if pos != len(ints):

@@ -116,3 +116,12 @@ def test_a_decoded_map_is_validated_like_any_other():
     body = b'{"maps":[["w",[4],"float32",[[0,[5],[[[0],[4],0,[1],[0]]]]]]]}'
     with pytest.raises(HoleError):
         wire.decode_maps(b"RSYNCM\x00\x01\x01" + zlib.compress(body))
+
+
+def test_a_half_whose_segment_leaves_its_storage_is_refused():
+    from rollout_sync.errors import OutOfBoundsError
+
+    sources, targets = _small()
+    raw = wire.encode_half(plan_model(sources, targets).half(2), compress=False)
+    with pytest.raises(OutOfBoundsError):
+        wire.decode_half(raw[:-8] + struct.pack("<q", 1000))
