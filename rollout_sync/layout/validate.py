@@ -235,9 +235,17 @@ def _check_nd_storage(
 ) -> None:
     """A storage with the tensor's ndim: every piece is a box of the storage, axes possibly permuted."""
     sshape = storage.shape
+    sstrides = _rm(sshape)
+    pieces = storage.pieces
+    if len(pieces) == 1:
+        only = pieces[0]
+        if only.offset == 0 and only.box.extent == sshape and only.strides == sstrides:
+            # the piece is the whole storage, row-major (a TP shard, a vLLM parameter): nothing else to check
+            if _check_box(name, shape, rank, only.box):
+                _add_region(name, regions, rank, only.box, only.holders, 0, sstrides)
+            return
     ndim = len(sshape)
     numel = prod(sshape)
-    sstrides = row_major_strides(sshape)
     axis_of: dict[int, int] = {}
     for a in range(ndim):
         if sshape[a] > 1:
