@@ -163,7 +163,8 @@ def _qwen3(config: Mapping[str, Any], moe: bool) -> ModelTensors:
     vocab = int(_get(config, "vocab_size"))
     tied = bool(config.get("tie_word_embeddings", False))
     inter = int(config.get("intermediate_size") or 0)
-    n_exp = int(config.get("num_experts") or 0) if moe else 0
+    # transformers 5 writes the expert count of Qwen3-MoE as ``num_local_experts`` (4.x: ``num_experts``).
+    n_exp = int(config.get("num_experts") or config.get("num_local_experts") or 0) if moe else 0
     moe_inter = int(config.get("moe_intermediate_size") or 0) if moe else 0
     sparse_step = int(config.get("decoder_sparse_step") or 1)
     mlp_only = set(config.get("mlp_only_layers") or ())
