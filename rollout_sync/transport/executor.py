@@ -67,8 +67,10 @@ class _Program:
     """A schedule with every copy precomputed, for one rank."""
 
     schedule: Schedule
-    sends: dict[int, list[tuple[Message, tuple[_PartProgram, ...]]]]  # round -> messages
+    sends: dict[int, list[tuple[Message, tuple[_PartProgram, ...]]]]  # round -> packed messages
     receives: dict[int, list[tuple[Message, tuple[_PartProgram, ...]]]]
+    direct_sends: list[tuple[Message, tuple[_PartProgram, ...]]]
+    direct_receives: list[tuple[Message, tuple[_PartProgram, ...]]]
     bytes_sent: dict[int, int]
     bytes_received: dict[int, int]
     local_bytes: int
@@ -95,16 +97,28 @@ def _compile(half: PlanHalf, schedule: Schedule) -> _Program:
 
     sends: dict[int, list[tuple[Message, tuple[_PartProgram, ...]]]] = {}
     receives: dict[int, list[tuple[Message, tuple[_PartProgram, ...]]]] = {}
+    direct_sends: list[tuple[Message, tuple[_PartProgram, ...]]] = []
+    direct_receives: list[tuple[Message, tuple[_PartProgram, ...]]] = []
     bytes_sent: dict[int, int] = {}
     bytes_received: dict[int, int] = {}
     for m in schedule.sends:
-        sends.setdefault(m.round, []).append((m, program(m, "source")))
+        entry = (m, program(m, "source"))
+        if m.direct:
+            direct_sends.append(entry)
+        else:
+            sends.setdefault(m.round, []).append(entry)
         bytes_sent[m.peer] = bytes_sent.get(m.peer, 0) + _payload(half, m)
     for m in schedule.receives:
-        receives.setdefault(m.round, []).append((m, program(m, "target")))
+        entry = (m, program(m, "target"))
+        if m.direct:
+            direct_receives.append(entry)
+        else:
+            receives.setdefault(m.round, []).append(entry)
         bytes_received[m.peer] = bytes_received.get(m.peer, 0) + _payload(half, m)
     local_bytes = sum(s.numel * itemsize(half.tensors[s.tensor].target_dtype) for s in schedule.local)
-    return _Program(schedule, sends, receives, bytes_sent, bytes_received, local_bytes)
+    return _Program(
+        schedule, sends, receives, direct_sends, direct_receives, bytes_sent, bytes_received, local_bytes
+    )
 
 
 def _payload(half: PlanHalf, m: Message) -> int:
@@ -141,6 +155,7 @@ class Executor:
         self.arena = StagingArena()
         self._cached: tuple[tuple[Any, ...], PlanHalf, _Program] | None = None
         self._fingerprints: tuple[PlanHalf, bytes, tuple[int, int]] | None = None
+        self._checked: PlanHalf | None = None
 
     @property
     def depth(self) -> int:
@@ -154,10 +169,15 @@ class Executor:
             return f"rank {self.rank} was given a {type(half).__name__}, not a PlanHalf", None, 0
         if half.rank != self.rank:
             return f"rank {self.rank} of the group was given the half of rank {half.rank}", None, 0
-        reason = check_half(half)
-        if reason is not None:
-            return f"rank {self.rank}: {reason}", None, 0
-        reason, device = check_storages(half, sources, targets)
+        if self._checked is not half:  # the half's own check is a function of the (immutable) half
+            reason = check_half(half)
+            if reason is not None:
+                return f"rank {self.rank}: {reason}", None, 0
+            self._checked = half
+        try:
+            reason, device = check_storages(half, sources, targets)
+        except Exception as e:  # a storage mapping that misbehaves must still not strand the other ranks
+            return f"rank {self.rank}: checking the local storages failed: {e!r}", None, 0
         if reason is not None:
             return reason, None, 0
         wanted = wanted_message_bytes(half, self.options.staging_cap_bytes, self.depth)
@@ -285,29 +305,54 @@ class Executor:
             (c,) = parts[0].copies  # a direct part is dense: one flat copy
             return _view(storage, c)
 
-        def post(r: int) -> None:
+        def post_direct() -> list[Pending]:
+            """Every direct message, at once: they hold no staging."""
             t = time.perf_counter()
-            recv_ops = []
-            for m, parts in program.receives.get(r, ()):
-                buf = direct_view(targets[parts[0].name], parts) if m.direct else slot("recv", m)
-                recv_ops.append(Op("recv", buf, m.peer, m.tag, r))
+            ops = [
+                Op(
+                    "recv",
+                    direct_view(targets[parts[0].name], parts),
+                    m.peer,
+                    m.tag,
+                    f"direct message {m.round}",
+                )
+                for m, parts in program.direct_receives
+            ]
+            ops += [
+                Op(
+                    "send",
+                    direct_view(sources[parts[0].name], parts),
+                    m.peer,
+                    m.tag,
+                    f"direct message {m.round}",
+                )
+                for m, parts in program.direct_sends
+            ]
+            posted = transport.post(ops)
+            clock.add("post", t)
+            return posted
+
+        def post(r: int) -> None:
+            """Round ``r`` of packed messages: post its receives, pack and post its sends."""
+            t = time.perf_counter()
+            label = f"round {r}"
+            recv_ops = [
+                Op("recv", slot("recv", m), m.peer, m.tag, label) for m, _ in program.receives.get(r, ())
+            ]
             send_ops = []
             if not coalesced:
                 pending_recv[r] = transport.post(recv_ops)
                 t = clock.add("post", t)
             sent: list[Pending] = []
             for m, parts in program.sends.get(r, ()):
-                if m.direct:
-                    buf = direct_view(sources[parts[0].name], parts)
-                else:
-                    buf = slot("send", m)
-                    _pack(buf, parts, sources)
-                    t = clock.add("pack", t)
-                op = Op("send", buf, m.peer, m.tag, r)
+                buf = slot("send", m)
+                _pack(buf, parts, sources)
+                t = clock.add("pack", t)
+                op = Op("send", buf, m.peer, m.tag, label)
                 if coalesced:
                     send_ops.append(op)
                 else:
-                    sent += transport.post([op])
+                    sent += transport.post([op])  # on the wire while the next one is packed
                     t = clock.add("post", t)
             if coalesced:
                 posted = transport.post(recv_ops + send_ops)
@@ -316,6 +361,7 @@ class Executor:
                 clock.add("post", t)
             pending_send[r] = sent
 
+        direct = post_direct()
         for r in range(min(depth, rounds)):
             post(r)
         t = time.perf_counter()
@@ -331,14 +377,14 @@ class Executor:
             transport.wait(pending_recv.pop(r, []))
             t = clock.add("wait", t)
             for m, parts in program.receives.get(r, ()):
-                if not m.direct:
-                    _unpack(slot("recv", m), parts, targets)
+                _unpack(slot("recv", m), parts, targets)
             t = clock.add("unpack", t)
             if r + depth < rounds:
                 transport.wait(pending_send.pop(r, []))  # its slots are reused by round r + depth
                 clock.add("wait", t)
                 post(r + depth)
         t = time.perf_counter()
+        transport.wait(direct)
         for r in sorted(pending_send):
             transport.wait(pending_send.pop(r))
         clock.add("wait", t)

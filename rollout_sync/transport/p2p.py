@@ -33,7 +33,7 @@ class Pending:
     work: Any
     peer: int
     kind: str
-    round: int
+    label: str  # "round 3", "direct message 0": for errors
     done: bool = False
 
 
@@ -43,7 +43,7 @@ class Op:
     tensor: torch.Tensor
     peer: int
     tag: int
-    round: int
+    label: str
 
 
 def _is_timeout(text: str) -> bool:
@@ -69,8 +69,8 @@ class Transport:
                 else:
                     work = self.group.recv([op.tensor], op.peer, op.tag)
             except RuntimeError as e:
-                raise self._error(op.kind, op.peer, op.round, str(e)) from e
-            pending.append(Pending(work, op.peer, op.kind, op.round))
+                raise self._error(op.kind, op.peer, op.label, str(e)) from e
+            pending.append(Pending(work, op.peer, op.kind, op.label))
         return pending
 
     def wait(self, pending: Sequence[Pending]) -> None:
@@ -80,19 +80,19 @@ class Transport:
             try:
                 finished = p.work.wait(timedelta(seconds=self.timeout))
             except RuntimeError as e:
-                raise self._error(p.kind, p.peer, p.round, str(e)) from e
+                raise self._error(p.kind, p.peer, p.label, str(e)) from e
             if finished is False:
-                raise self._error(p.kind, p.peer, p.round, "the wait returned unfinished")
+                raise self._error(p.kind, p.peer, p.label, "the wait returned unfinished")
             p.done = True
 
-    def _error(self, kind: str, peer: int, round_: int, text: str) -> Exception:
+    def _error(self, kind: str, peer: int, label: str, text: str) -> Exception:
         what = "sending to" if kind == "send" else "receiving from"
         if _is_timeout(text):
             return SyncTimeoutError(
-                f"rank {self.rank}: {what} rank {peer} (round {round_}) made no progress within "
+                f"rank {self.rank}: {what} rank {peer} ({label}) made no progress within "
                 f"{self.timeout:g} s; the peer stalled or died: {text}"
             )
-        return PeerFailedError(f"rank {self.rank}: {what} rank {peer} (round {round_}) failed: {text}")
+        return PeerFailedError(f"rank {self.rank}: {what} rank {peer} ({label}) failed: {text}")
 
 
 class CoalescedTransport(Transport):
@@ -101,7 +101,6 @@ class CoalescedTransport(Transport):
     def post(self, ops: Sequence[Op]) -> list[Pending]:
         if not ops:
             return []
-        round_ = ops[0].round
         try:
             self.group._start_coalescing(self.device)
             for op in ops:
@@ -113,9 +112,9 @@ class CoalescedTransport(Transport):
         except RuntimeError as e:
             peers = sorted({op.peer for op in ops})
             raise PeerFailedError(
-                f"rank {self.rank}: posting round {round_} with ranks {peers} failed: {e}"
+                f"rank {self.rank}: posting {ops[0].label} with ranks {peers} failed: {e}"
             ) from e
-        return [Pending(work, op.peer, op.kind, op.round) for op in ops]
+        return [Pending(work, op.peer, op.kind, op.label) for op in ops]
 
 
 def transport_for(group: Any, backend: str, rank: int, timeout: float, device: torch.device) -> Transport:

@@ -13,14 +13,16 @@ Wire format of a pair stream (one direction between two ranks):
 - segments are sorted canonically (``segment_key``);
 - a **direct** segment (dense in both storages, same dtype on both sides, ``zero_copy`` on, at least
   ``DIRECT_MIN_BYTES``) travels straight from source storage to target storage, no staging: it is cut into
-  runs of at most ``message_bytes`` and run ``j`` of the pair is direct message ``j``;
+  runs of at most ``direct_chunk_bytes(message_bytes)``, and run ``j`` of the pair is direct message ``j``
+  (tag ``2j+1``). Direct messages hold no staging, so the executor posts them all at the start;
 - every other segment is **packed**: the pair's packed segments are laid end to end, each part starting
-  at a multiple of its element size, and cut into messages of at most ``message_bytes``. A segment that does
-  not fit in the room left is cut by bytes, at an element boundary, in the row-major order of its extent
-  (any axis, 1-D runs included): a run ``[start, start + count)`` of a segment is at most ``2·ndim − 1``
-  boxes, or one flat copy where the segment is dense in a storage.
-- round ``k`` of the pair holds packed message ``k`` (tag ``2k``) and direct message ``k`` (tag ``2k+1``).
-  The number of rounds is about ``bytes / message_bytes``, whatever the number of segments.
+  at a multiple of its element size, and cut into messages of at most ``message_bytes``. A segment that
+  does not fit in the room left is cut by bytes, at an element boundary, in the row-major order of its
+  extent (any axis, 1-D runs included): a run ``[start, start + count)`` of a segment is at most
+  ``2·ndim − 1`` boxes, or one flat copy where the segment is dense in a storage. Packed message ``k`` of
+  the pair travels in **round** ``k`` (tag ``2k``) through a staging slot; the executor keeps ``depth``
+  rounds in flight. The number of rounds is about ``packed bytes / message_bytes``, whatever the number
+  of segments.
 
 Element sizes on the wire are the source dtype's: the receiver casts (``tensor.to(dtype)`` semantics).
 """
@@ -37,6 +39,7 @@ from ..planning.plan import PlanHalf, Segment
 
 __all__ = [
     "ALIGN",
+    "DIRECT_CHUNK_MIN_BYTES",
     "DIRECT_MIN_BYTES",
     "MIN_MESSAGE_BYTES",
     "Copy",
@@ -45,6 +48,7 @@ __all__ = [
     "Schedule",
     "build_schedule",
     "check_half",
+    "direct_chunk_bytes",
     "is_dense",
     "pair_messages",
     "part_copies",
@@ -64,6 +68,14 @@ copy at this size)."""
 MIN_MESSAGE_BYTES = 64
 """The smallest message size a staging cap may leave per peer."""
 
+DIRECT_CHUNK_MIN_BYTES = 64 << 20
+"""Direct messages are cut at ``max(message_bytes, this)``: they cost no staging, so only the number of
+outstanding messages and the granularity of progress bound their size."""
+
+
+def direct_chunk_bytes(message_bytes: int) -> int:
+    return max(message_bytes, DIRECT_CHUNK_MIN_BYTES)
+
 
 @dataclass(frozen=True, slots=True)
 class Part:
@@ -79,8 +91,8 @@ class Part:
 @dataclass(frozen=True, slots=True)
 class Message:
     """One point-to-point message between this rank and ``peer``. A direct message has exactly one part,
-    sent from the source storage and received into the target storage; a packed one goes through a
-    staging slot."""
+    sent from the source storage and received into the target storage (``round`` is its index among the
+    pair's direct messages); a packed one goes through a staging slot in round ``round``."""
 
     peer: int
     round: int
@@ -109,7 +121,8 @@ class Copy:
 class Schedule:
     """What one rank does in one sync.
 
-    ``sends`` / ``receives`` are sorted by ``(round, peer, direct)``. ``slots`` gives each staging slot's
+    ``sends`` / ``receives`` are sorted by ``(direct, round, peer)``; ``rounds`` counts packed rounds.
+    ``slots`` gives each staging slot's
     byte range in the rank's staging arena, keyed by ``(direction, peer, parity)`` with direction
     ``"send"`` or ``"recv"``; packed message of round ``k`` uses parity ``k % depth``.
     """
@@ -219,7 +232,7 @@ def pair_messages(
         size = _wire_size(half, s)
         n = s.numel
         if _is_direct(half, s, zero_copy):
-            per = message_bytes // size
+            per = direct_chunk_bytes(message_bytes) // size
             for start in range(0, n, per):
                 count = min(per, n - start)
                 part = Part(s, start, count, 0)
@@ -263,7 +276,7 @@ def build_schedule(
                 if not m.direct:
                     key = (direction, peer, m.round % depth)
                     slot_sizes[key] = max(slot_sizes.get(key, 0), _align_up(m.nbytes))
-    order = lambda m: (m.round, m.peer, m.direct)  # noqa: E731
+    order = lambda m: (m.direct, m.round, m.peer)  # noqa: E731
     sends.sort(key=order)
     receives.sort(key=order)
     slots: dict[tuple[str, int, int], tuple[int, int]] = {}
@@ -271,7 +284,7 @@ def build_schedule(
     for key in sorted(slot_sizes):
         slots[key] = (offset, slot_sizes[key])
         offset += slot_sizes[key]
-    rounds = max((m.round + 1 for m in (*sends, *receives)), default=0)
+    rounds = max((m.round + 1 for m in (*sends, *receives) if not m.direct), default=0)
     return Schedule(
         rank=half.rank,
         sends=tuple(sends),
