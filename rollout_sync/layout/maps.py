@@ -97,6 +97,9 @@ class RankStorage:
     def numel(self) -> int:
         return prod(self.shape)
 
+    def __reduce__(self) -> tuple[type[RankStorage], tuple[tuple[int, ...], tuple[Piece, ...]]]:
+        return (RankStorage, (self.shape, self.pieces))  # without the memo
+
 
 @dataclass(frozen=True, slots=True)
 class TensorMap:
@@ -175,6 +178,9 @@ class TensorMap:
     def piece_count(self) -> int:
         """Pieces listed on all ranks (a replicated piece counts once per holder)."""
         return sum(len(s.pieces) for s in self.ranks.values())
+
+    def __reduce__(self) -> tuple[type[TensorMap], tuple[str, tuple[int, ...], str, dict[int, RankStorage]]]:
+        return (TensorMap, (self.name, self.shape, self.dtype, dict(self.ranks)))  # validated again on load
 
 
 def _memo(

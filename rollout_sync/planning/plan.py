@@ -99,6 +99,19 @@ class PlannedTensor:
                         )
                 object.__setattr__(self, which, MappingProxyType(dict(sorted(table.items()))))
 
+    def __reduce__(self) -> tuple[type[PlannedTensor], tuple[object, ...]]:
+        return (
+            PlannedTensor,
+            (
+                self.name,
+                self.shape,
+                self.source_dtype,
+                self.target_dtype,
+                dict(self.source_storage),
+                dict(self.target_storage),
+            ),
+        )
+
 
 @dataclass(frozen=True, slots=True)
 class PlanHalf:

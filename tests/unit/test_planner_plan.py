@@ -85,3 +85,13 @@ def test_a_rank_with_nothing_to_do_gets_an_empty_half():
     half = plan.half(42)
     assert half.sends == half.receives == half.local == ()
     assert plan.ranks() == ((0,), (1,))
+
+
+def test_maps_and_plans_survive_pickling_for_spawned_test_processes():
+    import pickle
+
+    source, target = rows("w", (4, 6), [0, 1]), flat_runs("w", (4, 6), [0, 10, 24], [2, 3])
+    plan = plan_model([source], [target])
+    assert pickle.loads(pickle.dumps(source)) == source
+    back = pickle.loads(pickle.dumps(plan))
+    assert back == plan and back.digest == plan.digest and back.half(2) == plan.half(2)
