@@ -23,7 +23,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 from vllm.distributed.weight_transfer.base import (
     WeightTransferEngine,
     WeightTransferInitInfo,
@@ -31,8 +30,6 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from rollout_sync.errors import IncompleteUpdateError
-from rollout_sync.rollout.apply import write_pieces
-from rollout_sync.rollout.checkpoint import read_tensors
 from rollout_sync.rollout.probe import DEFAULT_MAX_PIECES
 
 from .worker_state import RolloutWorker
@@ -88,22 +85,9 @@ class RolloutSyncWeightTransferEngine(WeightTransferEngine[RolloutSyncInitInfo, 
         self._worker().begin()
 
     def receive_weights(self, update_info: RolloutSyncUpdateInfo) -> None:
-        worker = self._worker()
-        session = worker.session
-        if session is None:
-            raise IncompleteUpdateError(f"rank {worker.rank}: update_weights outside start/finish")
         if not update_info.checkpoint:
             raise ValueError("update_info.checkpoint is required (a safetensors file or directory)")
-        views = worker.targets.views
-        names = update_info.names if update_info.names is not None else list(views)
-        try:
-            with torch.no_grad():
-                for name, full in read_tensors(update_info.checkpoint, [n for n in names if n in views]):
-                    write_pieces(session.storage(name), worker.targets.maps[name].ranks[worker.rank], full)
-                    session.mark_written(name)
-        except BaseException:
-            worker.abort()
-            raise
+        self._worker().write_checkpoint(update_info.checkpoint, update_info.names)
 
     def finish_weight_update(self) -> None:
         self._worker().finish()

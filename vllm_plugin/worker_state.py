@@ -247,12 +247,14 @@ class RolloutWorker:
         """Close an open update without completing it (the weights may be inconsistent)."""
         self._close()
 
-    def apply_checkpoint(self, path: str, names: Sequence[str] | None = None) -> dict[str, Any]:
-        """Write tensors of a checkpoint (all this rank holds by default) into the engine through this rank's
-        maps, then finish the update. One call: no generation can interleave."""
-        started = time.perf_counter()
-        wanted = [n for n in (names if names is not None else self.targets.views) if n in self.targets.views]
-        session = self.begin()
+    def write_checkpoint(self, path: str, names: Sequence[str] | None = None) -> int:
+        """Inside an open update, write tensors of a checkpoint (every tensor this rank holds by default)
+        through this rank's maps; returns the elements written. Aborts the update on failure."""
+        session = self.session
+        if session is None:
+            raise IncompleteUpdateError(f"rank {self.rank}: no weight update is open")
+        views = self.targets.views
+        wanted = [n for n in (names if names is not None else views) if n in views]
         try:
             elements = 0
             with torch.no_grad():
@@ -263,6 +265,14 @@ class RolloutWorker:
         except BaseException:
             self.abort()
             raise
+        return elements
+
+    def apply_checkpoint(self, path: str, names: Sequence[str] | None = None) -> dict[str, Any]:
+        """Open an update, write a checkpoint through the maps, finish. One call: no generation can
+        interleave."""
+        started = time.perf_counter()
+        self.begin()
+        elements = self.write_checkpoint(path, names)
         report = self.finish()
         report["elements"] = elements
         report["seconds"] = time.perf_counter() - started

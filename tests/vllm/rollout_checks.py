@@ -59,11 +59,13 @@ def _canonical(m: TensorMap) -> dict[int, tuple[tuple[int, ...], list[tuple[Any,
 
 
 def builder_differences(
-    probed: Mapping[str, TensorMap], model_dir: Path, engines: int, tp: int, first_rank: int
+    probed: Mapping[str, TensorMap], model_dir: Path, engines: int, tp: int, first_rank: int, ep: int = 1
 ) -> list[str]:
     """Where the probed maps differ from ``vllm_target_maps`` (the pure builder) for the same fleet."""
     config = json.loads((model_dir / "config.json").read_text())
-    built = {m.name: m for m in vllm_target_maps(model_tensors(config), engines, tp, first_rank=first_rank)}
+    built = {
+        m.name: m for m in vllm_target_maps(model_tensors(config), engines, tp, ep=ep, first_rank=first_rank)
+    }
     diffs = []
     for name in sorted(set(probed) | set(built)):
         if name not in probed or name not in built:
