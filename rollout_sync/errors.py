@@ -92,6 +92,11 @@ class ReplicaPolicyError(LayoutError):
     """A replica policy chose a rank that does not hold the box."""
 
 
+class DryRunSpecError(LayoutError):
+    """A dry-run description (model, trainer layout, rollout layout, bandwidths) that cannot be parsed or
+    does not fit the model (sizes that do not divide, a TP size above the head count)."""
+
+
 class WireFormatError(RolloutSyncError, ValueError):
     """A serialized map, plan or message that is malformed or speaks another format version."""
 

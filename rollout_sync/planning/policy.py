@@ -9,12 +9,17 @@ is ``"lowest"``, ``"balanced"`` or any callable taking a ``ReplicaRequest`` and 
   with the fewest bytes assigned so far in this plan (ties: the lowest rank). Every assignment the planner
   makes counts, including those of boxes with a single holder.
 
+- ``Spread`` (an instance): balanced without any state, so that one rank can evaluate every choice of its
+  own half alone (``rollout_sync.planning.rank_half``): the target rank itself when it holds the box, else
+  the holder at index ``(digit_sum(target_rank, base n) + crc32(tensor)) mod n`` of the ``n`` candidates.
+
 A callable may also define ``record(rank, nbytes)``; the planner then calls it for every assignment (as it
 does for ``Balanced``), so a stateful policy sees the whole plan's load.
 """
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal, Protocol, Union
@@ -77,6 +82,47 @@ class Balanced:
 
     def __call__(self, request: ReplicaRequest) -> int:
         return self.choose(request.target_rank, request.candidates)
+
+
+class Spread:
+    """Balanced replica choice that needs no state: every choice depends only on the tensor's name, the
+    target rank and the candidates, so the whole plan and one rank planning its own half alone make the same
+    choices (``local`` is True; ``rollout_sync.planning.rank_half`` relies on it).
+
+    - The target rank itself when it holds the box (a copy within one process).
+    - Else, of the ``n`` candidates, the one at index ``(digit_sum(target_rank, base n) + crc32(tensor))
+      mod n``. The base-``n`` digit sum gives distinct indices to ``n`` consecutive target ranks that start
+      at a multiple of ``n`` (the TP ranks of an engine) and to ``n`` target ranks ``n**k`` apart whose
+      ``k``-th digit starts at 0 (the same TP rank in consecutive engines of ``n**k`` workers), so the
+      targets of one tensor spread over its holders; the per-tensor ``crc32`` rotates the start from tensor
+      to tensor, so that tensors needed by fewer targets than they have holders still spread their load
+      over all holders across the model.
+
+    Unlike ``Balanced`` it does not look at bytes already assigned: its balance is structural (equal shards
+    over consecutive ranks), not greedy. Deterministic across processes (``zlib.crc32``, not ``hash``).
+    """
+
+    __slots__ = ()
+
+    local = True
+
+    def __call__(self, request: ReplicaRequest) -> int:
+        candidates = request.candidates
+        target = request.target_rank
+        if target in candidates:
+            return target
+        n = len(candidates)
+        if n == 1:
+            return candidates[0]
+        digits = 0
+        rest = target
+        while rest:
+            rest, digit = divmod(rest, n)
+            digits += digit
+        return candidates[(digits + zlib.crc32(request.tensor.encode())) % n]
+
+    def __repr__(self) -> str:
+        return "Spread()"
 
 
 def check_choice(request: ReplicaRequest, choice: object) -> int:

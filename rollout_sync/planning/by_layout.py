@@ -1,0 +1,71 @@
+"""The whole plan, planned once per layout: ``plan_model`` for models of millions of segments.
+
+A model's layers repeat a handful of layouts (a Kimi-K2-class model has 70,000 logical tensors and about
+1,200 distinct layouts). A tensor's segments depend only on its layout (shape, source regions, target
+regions) when no replica choice can depend on its name: under the ``lowest`` policy, or when every source
+region has a single holder (ZeRO-3 partitions, expert shards). Such tensors share one record array per
+layout; the others (replicas under a local policy such as ``policy.Spread``, whose choice depends on the
+tensor's name) are planned one by one. Every record array comes from ``plan_model`` itself, called once on
+one representative pair per shared layout and on every other pair, so the result equals
+``plan_model(sources, targets, policy)`` record for record (the tests check it); only the time differs
+(the planner plans each tensor with a callable policy anew).
+
+Layouts are recognised by the identity of the maps' regions objects: maps built from the same storage
+objects share them (``TensorMap``), as the whole-model builders (``rollout_sync.models.sides``) arrange.
+Maps with equal but separately built regions are planned separately, which is only slower.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Sequence
+
+from ..errors import PlanMismatchError
+from ..layout.maps import TensorMap
+from .plan import Plan, PlannedTensor
+from .planner import plan_model
+from .policy import ReplicaPolicy
+from .rank_half import choice_free, matched_pairs, planned_tensor, require_local
+
+__all__ = ["plan_model_by_layout"]
+
+
+def plan_model_by_layout(
+    sources: Sequence[TensorMap], targets: Sequence[TensorMap], policy: ReplicaPolicy = "lowest"
+) -> Plan:
+    """``plan_model(sources, targets, policy)``, computing each shared layout once. ``policy`` must be
+    local (``"lowest"`` or e.g. ``policy.Spread()``; see ``rank_half.require_local``): a greedy policy's
+    choices depend on the order of the whole plan and are refused."""
+    policy = require_local(policy)
+    lowest = policy == "lowest"
+    pairs = matched_pairs(sources, targets)
+    free: dict[int, tuple[object, bool]] = {}  # id(source regions) -> (regions, choice free)
+    shared: dict[tuple[int, int, tuple[int, ...]], int] = {}  # layout -> representative index
+    keep: list[tuple[object, object]] = []  # keeps the regions alive, so their ids stay theirs
+    reps: list[tuple[TensorMap, TensorMap]] = []
+    owner: list[int] = []
+    for s, t in pairs:
+        shareable = lowest
+        if not shareable:
+            got = free.get(id(s.regions))
+            if got is None:
+                got = free[id(s.regions)] = (s.regions, choice_free(s))
+            shareable = got[1]
+        if shareable:
+            key = (id(s.regions), id(t.regions), s.shape)
+            index = shared.get(key)
+            if index is None:
+                index = shared[key] = len(reps)
+                reps.append((s, t))
+                keep.append((s.regions, t.regions))
+            owner.append(index)
+        else:
+            owner.append(len(reps))
+            reps.append((s, t))
+    planned = plan_model([p[0] for p in reps], [p[1] for p in reps], policy)
+    for (_, t), pt in zip(reps, planned.tensors, strict=True):
+        if pt.name != t.name:  # both lists are in name order; a planner that reorders would break this
+            raise PlanMismatchError(f"planner returned tensor {pt.name!r} where {t.name!r} was expected")
+    tensors: list[PlannedTensor] = [planned_tensor(s, t) for s, t in pairs]
+    records: list[array] = [planned.records(index) for index in owner]
+    return Plan.from_records(tensors, records, validate=False)
