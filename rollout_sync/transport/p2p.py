@@ -2,9 +2,10 @@
 
 Keyed by backend:
 
-- NCCL: the sends and receives of one round are issued between ``_start_coalescing`` and
-  ``_end_coalescing`` on the group (NCCL group start/end), so they progress together; one work covers the
-  round.
+- NCCL: the sends and receives of one batch (every direct message; then each packed round) are issued
+  between ``_start_coalescing`` and ``_end_coalescing`` on the group (NCCL group start/end), so they
+  progress together; one work covers the batch. NCCL matches a pair's messages in issue order (tags are
+  ignored); both ends issue them in schedule order. Not yet run on a GPU.
 - every other backend (gloo, ...): each message is posted on its own with ``group.send`` /
   ``group.recv`` (many tagged messages may be outstanding at once) and has its own work.
 
@@ -20,6 +21,7 @@ from datetime import timedelta
 from typing import Any
 
 import torch
+from torch.distributed import ProcessGroup
 
 from ..errors import PeerFailedError, SyncTimeoutError
 
@@ -101,14 +103,17 @@ class CoalescedTransport(Transport):
     def post(self, ops: Sequence[Op]) -> list[Pending]:
         if not ops:
             return []
+        # A ProcessGroup (torch.distributed's WORLD) takes the device; a backend object built directly
+        # (ProcessGroupNCCL over a store) takes none.
+        args = (self.device,) if isinstance(self.group, ProcessGroup) else ()
         try:
-            self.group._start_coalescing(self.device)
+            self.group._start_coalescing(*args)
             for op in ops:
                 if op.kind == "send":
                     self.group.send([op.tensor], op.peer, op.tag)
                 else:
                     self.group.recv([op.tensor], op.peer, op.tag)
-            work = self.group._end_coalescing(self.device)
+            work = self.group._end_coalescing(*args)
         except RuntimeError as e:
             peers = sorted({op.peer for op in ops})
             raise PeerFailedError(
