@@ -8,11 +8,17 @@ Lifecycle of one sync (every rank of the group calls ``Executor.execute``, even 
 2. **agree** — one allgather of a fixed-size record per rank (``agreement``): plan digest, refusal and
    reason, half fingerprints, options, message size offer. Every rank decides the same way and, on any
    mismatch, every rank raises the same ``PlanMismatchError``. Nothing has moved yet.
-3. **schedule** — pure, cached per (half, agreed message sizes): per pair of ranks, the same messages on
-   both ends (``schedule.build_schedule``).
-4. **transfer** — rounds: post receives, pack and post sends, wait, unpack (casting to the target dtype);
-   with ``overlap`` the next round is packed while the current one is on the wire. Copies within the rank
-   run while the first rounds are in flight. Every wait is bounded by ``timeout``.
+3. **schedule** — pure, cached per (half content, agreed message sizes): per pair of ranks, the same
+   messages on both ends (``schedule.build_schedule``).
+4. **transfer** — first every direct message (dense, same dtype: storage to storage, no staging) is
+   posted; then packed rounds: post receives, pack and post sends, wait, unpack (casting to the target
+   dtype); with ``overlap`` the next round is packed while the current one is on the wire. Copies within
+   the rank run while the first rounds are in flight. Every wait is bounded by ``timeout`` (a progress
+   timeout: no single message may take longer).
+
+After a transport failure (``PeerFailedError`` / ``SyncTimeoutError``) the group's connections to the
+failed peer may be closed (gloo closes a pair on a timeout): build a new group before the next sync. A
+``PlanMismatchError`` leaves the group usable: nothing was posted.
 
 Staging (pack and unpack slots) lives in one arena per executor, allocated once and reused; its size is at
 most ``staging_cap_bytes``.
@@ -153,7 +159,7 @@ class Executor:
         self.world = group_size(group)
         self.backend = group_backend(group)
         self.arena = StagingArena()
-        self._cached: tuple[tuple[Any, ...], PlanHalf, _Program] | None = None
+        self._cached: tuple[tuple[Any, ...], _Program] | None = None
         self._fingerprints: tuple[PlanHalf, bytes, tuple[int, int]] | None = None
         self._checked: PlanHalf | None = None
 
@@ -231,13 +237,21 @@ class Executor:
     def _program(self, half: PlanHalf, offers: list[int]) -> _Program:
         send_peers, recv_peers = peers_of(half)
         sizes = {p: min(offers[self.rank], offers[p]) // ALIGN * ALIGN for p in {*send_peers, *recv_peers}}
-        key = (half.digest, tuple(sorted(sizes.items())), self.depth, self.options.zero_copy)
+        # Keyed by content (digest, rank, fingerprints), so a half rebuilt for every sync still reuses it.
+        key = (
+            half.digest,
+            half.rank,
+            self._half_fingerprints(half),
+            tuple(sorted(sizes.items())),
+            self.depth,
+            self.options.zero_copy,
+        )
         cached = self._cached
-        if cached is not None and cached[0] == key and cached[1] is half:
-            return cached[2]
+        if cached is not None and cached[0] == key:
+            return cached[1]
         schedule = build_schedule(half, sizes, zero_copy=self.options.zero_copy, depth=self.depth)
         program = _compile(half, schedule)
-        self._cached = (key, half, program)  # one plan at a time: a new plan replaces the old
+        self._cached = (key, program)  # one plan at a time: a new plan replaces the old
         return program
 
     # -- 4. transfer ------------------------------------------------------------------------------------
