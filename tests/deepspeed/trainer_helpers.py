@@ -1,0 +1,174 @@
+"""Checks of trainer storage maps against live DeepSpeed engines, run inside each rank.
+
+The references are taken independently of the maps:
+
+- before any step, the checkpoint the engine was loaded from (``safetensors``, saved names);
+- after a step, DeepSpeed's own gathers: ``GatheredParameters`` for ZeRO-3 partitions,
+  ``safe_get_full_fp32_param`` / ``safe_get_full_optimizer_state`` for master weights and Adam states, then
+  the TP shards concatenated along the ``partition_dim`` AutoTP records and the EP ranks' packed experts
+  concatenated in DeepSpeed's packing order (EP rank ``k`` packs experts ``[k·L, (k+1)·L)``), with the
+  checkpoint's key names written out here (not taken from ``rollout_sync.trainer.naming``).
+
+Each rank compares its own storage views with its pieces of the reference, bit for bit.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as tdist
+
+from rollout_sync.layout.maps import TensorMap
+
+INT_VIEW = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    view = INT_VIEW.get(a.dtype)
+    if view is None:
+        return bool(torch.equal(a, b))
+    return bool(torch.equal(a.contiguous().view(view), b.contiguous().view(view)))
+
+
+def checkpoint_tensors(path: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return {k: v.to(dtype) for k, v in load_file(str(path / "model.safetensors")).items()}
+
+
+def compare_views(
+    maps: list[TensorMap],
+    views: Mapping[str, torch.Tensor],
+    full: Mapping[str, torch.Tensor],
+    rank: int,
+    what: str,
+) -> list[str]:
+    """Every piece of this rank's storage of every map equals its box of the full tensor, bit for bit;
+    ``views`` holds exactly the tensors the maps give this rank."""
+    wrong: list[str] = []
+    mine = {m.name for m in maps if rank in m.ranks}
+    if set(views) != mine:
+        wrong.append(
+            f"{what}: views {sorted(set(views) ^ mine)[:4]} differ from the maps' names for rank {rank}"
+        )
+    for m in maps:
+        if rank not in m.ranks:
+            continue
+        if m.name not in full:
+            wrong.append(f"{what}: no reference tensor for {m.name}")
+            continue
+        ref = full[m.name]
+        if tuple(ref.shape) != m.shape:
+            wrong.append(f"{what}: {m.name} reference {tuple(ref.shape)} vs map {m.shape}")
+            continue
+        storage = m.ranks[rank]
+        view = views.get(m.name)
+        if view is None or tuple(view.shape) != storage.shape or view.dtype != ref.dtype:
+            got = None if view is None else (tuple(view.shape), view.dtype)
+            wrong.append(f"{what}: {m.name} view {got} vs storage {storage.shape} {ref.dtype}")
+            continue
+        for p in storage.pieces:
+            got = torch.as_strided(view, p.box.extent, p.strides, view.storage_offset() + p.offset)
+            exp = ref[tuple(slice(o, o + e) for o, e in zip(p.box.origin, p.box.extent, strict=True))]
+            if not same_bits(got, exp):
+                wrong.append(f"{what}: {m.name} rank {rank} piece {p.box} differs")
+    return wrong
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Full tensors from DeepSpeed's own gathers
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _autoep_layer_names(module: torch.nn.Module) -> list[str]:
+    from deepspeed.module_inject.auto_ep_layer import AutoEPMoELayer
+
+    return [n for n, m in module.named_modules() if isinstance(m, AutoEPMoELayer)]
+
+
+def _tp_assemble(p: Any, local: torch.Tensor) -> torch.Tensor:
+    """The full parameter from TP shards: all-gather over the TP group, concatenate along AutoTP's
+    recorded ``partition_dim`` (unsplit parameters are returned as they are)."""
+    meta = getattr(p, "ds_autotp_universal_checkpoint_meta", None)
+    if not meta or meta.get("replicated") or meta.get("partition_dim") is None:
+        return local
+    from deepspeed.utils import groups
+
+    group = groups.get_tensor_model_parallel_group()
+    parts: list[Any] = [None] * tdist.get_world_size(group)
+    tdist.all_gather_object(parts, local, group=group)
+    return torch.cat(parts, dim=int(meta["partition_dim"]))
+
+
+def _ep_assemble(p: Any, local: torch.Tensor) -> torch.Tensor:
+    from deepspeed.utils import groups
+
+    group = groups._get_expert_parallel_group(p.group_name)
+    parts: list[Any] = [None] * tdist.get_world_size(group)
+    tdist.all_gather_object(parts, local, group=group)
+    return torch.cat(parts, dim=0)  # EP rank k packs experts [k*L, (k+1)*L)
+
+
+def _logical(engine: Any, by_param: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Checkpoint names (as transformers 5.19 saves Qwen3 / Qwen3-MoE) of the full parameters."""
+    layers = _autoep_layer_names(engine.module)
+    out: dict[str, torch.Tensor] = {}
+    expert_key = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+    for name, t in by_param.items():
+        layer = next((ln for ln in layers if name.startswith(ln + ".")), None)
+        if layer is None:
+            out[name] = t
+            continue
+        rest = name[len(layer) + 1 :]
+        if rest == "router.gate.weight":
+            out[f"{layer}.gate.weight"] = t
+        else:
+            packed = rest.split(".")[-1]
+            for e in range(t.shape[0]):
+                out[f"{layer}.experts.{e}.{expert_key[packed]}.weight"] = t[e]
+    return out
+
+
+def full_tensors(engine: Any, state: str) -> dict[str, torch.Tensor]:
+    """Every logical tensor of ``state`` after DeepSpeed's own gathers (collective: all ranks call it)."""
+    import deepspeed
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+    opt = engine.optimizer
+    if state not in ("param", "fp32") and hasattr(opt, "_hp_optimizer_states_linked"):
+        # DeepSpeed links _hp_mapping to the optimizer states once, after the first group's first step; with
+        # several groups (AutoEP's expert group) the later groups' states do not exist yet and stay
+        # unlinked, so safe_get_full_optimizer_state fails for them. Link again now that all exist.
+        opt._hp_optimizer_states_linked = False
+        opt._lazy_init_hp_params_optimizer_state()
+    by_param: dict[str, torch.Tensor] = {}
+    for name, p in engine.module.named_parameters():
+        if state == "param":
+            if hasattr(p, "ds_tensor"):
+                with deepspeed.zero.GatheredParameters([p]):
+                    local = p.data.detach().clone()
+            else:
+                local = p.data.detach().clone()
+        elif state == "fp32":
+            local = safe_get_full_fp32_param(p).detach().clone()
+        else:
+            local = safe_get_full_optimizer_state(p, state).detach().clone()
+        local = local.reshape(tuple(getattr(p, "ds_shape", p.shape)))
+        if hasattr(p, "ds_autoep_uc_meta"):
+            by_param[name] = _ep_assemble(p, local)
+        else:
+            by_param[name] = _tp_assemble(p, local)
+    return _logical(engine, by_param)
+
+
+def timed(log: dict[str, float], label: str, fn: Callable[[], Any]) -> Any:
+    start = time.perf_counter()
+    out = fn()
+    log[label] = log.get(label, 0.0) + time.perf_counter() - start
+    return out
