@@ -70,25 +70,24 @@ def _fields(text: str, what: str, known: tuple[str, ...], required: tuple[str, .
         key, sep, value = item.partition("=")
         key = key.strip()
         if not sep:
-            raise DryRunSpecError(f"{what} layout item {item!r} is not key=value", expected=f"keys {known}")
+            raise DryRunSpecError(f"{what} layout item {item!r} is not key=value (keys: {', '.join(known)})")
         if key not in known:
             raise DryRunSpecError(f"unknown {what} layout key {key!r}", expected=f"one of {known}", found=key)
         if key in out:
-            raise DryRunSpecError(f"{what} layout key {key!r} given twice", found=text)
+            raise DryRunSpecError(f"{what} layout key {key!r} given twice in {text!r}")
         try:
             number = int(value.strip())
         except ValueError:
             raise DryRunSpecError(
-                f"{what} layout {key}={value.strip()!r} is not an integer", found=value.strip()
+                f"{what} layout {key}={value.strip()!r} is not an integer (items are key=value, separated"
+                " by commas)"
             ) from None
         if number < (0 if key == "zero" else 1):
-            raise DryRunSpecError(f"{what} layout {key}={number} must be positive", found=number)
+            raise DryRunSpecError(f"{what} layout {key}={number} must be positive")
         out[key] = number
     missing = [k for k in required if k not in out]
     if missing:
-        raise DryRunSpecError(
-            f"{what} layout lacks {', '.join(missing)}", expected=f"keys {known}", found=text
-        )
+        raise DryRunSpecError(f"{what} layout {text!r} lacks {', '.join(missing)} (keys: {', '.join(known)})")
     return out
 
 
@@ -97,7 +96,7 @@ def parse_trainer(text: str) -> TrainerLayout:
     f = _fields(text, "trainer", ("zero", "tp", "ep", "world", "gpus_per_node"), ("zero", "world"))
     layout = TrainerLayout(f["zero"], f["world"], f.get("tp", 1), f.get("ep", 1), f.get("gpus_per_node", 8))
     if layout.zero not in (0, 1, 2, 3):
-        raise DryRunSpecError("trainer ZeRO stage must be 0, 1, 2 or 3", found=layout.zero)
+        raise DryRunSpecError(f"trainer ZeRO stage must be 0, 1, 2 or 3, not {layout.zero}")
     if layout.world % layout.tp:
         raise DryRunSpecError(
             f"trainer world={layout.world} is not divisible by tp={layout.tp}",
@@ -109,6 +108,7 @@ def parse_trainer(text: str) -> TrainerLayout:
             f"trainer AutoEP (ep={layout.ep}) with AutoTP (tp={layout.tp}): DeepSpeed 0.19.8 refuses the"
             " experts' tensor-parallel plan",
             expected="tp=1 with ep>1",
+            found=f"tp={layout.tp}",
         )
     if layout.dp % layout.ep:
         raise DryRunSpecError(
@@ -151,7 +151,7 @@ def load_model(name_or_config: str) -> tuple[str, ModelTensors]:
     except (OSError, ValueError) as exc:
         raise DryRunSpecError(f"cannot read {str(path)!r} as JSON: {exc}") from None
     if not isinstance(config, dict):
-        raise DryRunSpecError(f"{str(path)!r} does not hold a JSON object", found=type(config).__name__)
+        raise DryRunSpecError(f"{str(path)!r} holds a JSON {type(config).__name__}, not an object")
     return str(path), model_tensors(config)
 
 
@@ -167,9 +167,7 @@ def check_fit(model: ModelTensors, trainer: TrainerLayout, rollout: RolloutLayou
             found=trainer.tp,
         )
     if trainer.ep > 1 and experts == 0:
-        raise DryRunSpecError(
-            f"trainer ep={trainer.ep} but the model has no routed experts", found=trainer.ep
-        )
+        raise DryRunSpecError(f"trainer ep={trainer.ep} but the model has no routed experts")
     if experts and trainer.ep > 1 and experts % trainer.ep:
         raise DryRunSpecError(
             f"trainer ep={trainer.ep} does not divide the model's {experts} experts",
@@ -195,16 +193,12 @@ def check_fit(model: ModelTensors, trainer: TrainerLayout, rollout: RolloutLayou
         )
     if model.model_type in ("qwen3", "qwen3_moe") and (kv % t if t <= kv else t % kv):
         raise DryRunSpecError(
-            f"rollout tp={t} is neither a divisor nor a multiple of the model's {kv} kv heads",
-            found=t,
+            f"rollout tp={t} is neither a divisor nor a multiple of the model's {kv} kv heads"
         )
     if rollout.ep > 1 and experts == 0:
-        raise DryRunSpecError(
-            f"rollout ep={rollout.ep} but the model has no routed experts", found=rollout.ep
-        )
+        raise DryRunSpecError(f"rollout ep={rollout.ep} but the model has no routed experts")
     if experts and rollout.ep == 1 and model.moe_intermediate_size % t:
         raise DryRunSpecError(
             f"rollout tp={t} does not divide the experts' intermediate size {model.moe_intermediate_size}"
-            " (use ep=tp)",
-            found=t,
+            " (use ep=tp)"
         )

@@ -93,7 +93,7 @@ class Topology:
             )
             < 1
         ):
-            raise DryRunSpecError("topology sizes must be positive", found=self)
+            raise DryRunSpecError(f"topology sizes must be positive: {self}")
         if self.shared_nodes and self.trainer_gpus_per_node != self.rollout_gpus_per_node:
             raise DryRunSpecError(
                 "trainer and rollout GPUs share nodes, so they need the same GPUs per node",
