@@ -9,7 +9,7 @@ observations (``rollout_sync.rollout.probe.Landing``) are turned into maps by pu
 
 Memory: only the parameters of the probed tensor's layer (the outermost integer segment of its name, as
 vLLM's ``layerwise_groups`` uses) get real probe buffers; every other parameter gets a zero-memory tripwire
-(a one-element tensor expanded to its shape), so a loader that writes outside the expected scope raises
+(a one-element tensor expanded to its shape, which raises on a copy into it), so a loader that writes outside the expected scope raises
 and the tensor is probed again with every parameter given a probe buffer. Parameters and persistent
 buffers are restored afterwards, whatever happens.
 
@@ -81,7 +81,7 @@ class _Swap:
                     buf.fill_(_EMPTY)
                 p.data = buf
             else:
-                p.data = torch.empty(1, dtype=self.probe_dtype, device=real.device).expand(real.shape)
+                p.data = torch.empty((), dtype=self.probe_dtype, device=real.device).expand(real.shape)
         for name in list(self.buffers):
             if name not in wanted:
                 del self.buffers[name]

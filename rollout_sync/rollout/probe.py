@@ -14,7 +14,9 @@ and rank, tiled exactly by its pieces):
   element of the range that the tensor does not write is a hole: another tensor's element or padding).
   The range is the storage, so the executor can receive into it directly and padding is never written;
 - inside the range, the correspondence must be a few affine pieces with positive strides
-  (``torch.as_strided`` arguments relative to the range), at most ``max_pieces`` of them.
+  (``torch.as_strided`` arguments relative to the range), at most ``max_pieces`` of them, that the
+  planner can address: boxes of an N-D storage (strides a permutation of its row-major strides, so a
+  transposed copy is fine) or dense runs of a flat one (``rollout_sync.layout.validate``).
 
 Anything else (values that are not the probe's coordinates, elements written twice, a landing in two
 parameters, a hole, reversed or permuted elements) means the loader transforms what it copies, or scatters
@@ -25,9 +27,10 @@ MoE experts split by TP or EP: in each the tensor's elements are one run of its 
 interleaves a tensor with another in one parameter (no single run without holes) is refused rather than
 described by several storages: the planner does not take several storages per (tensor, rank).
 
-The storage view's shape is the parameter's trailing shape where the range is aligned to it (``q_proj``'s
-rows of ``qkv_proj.weight`` give ``(rows, hidden)``; an expert's slab of ``w2_weight`` gives the slab's
-shape), else flat ``(n,)``.
+The storage view's shape is the first that makes the pieces addressable of: the parameter's trailing
+shape where the range is aligned to it (``q_proj``'s rows of ``qkv_proj.weight`` give ``(rows, hidden)``;
+an expert's slab of ``w2_weight`` gives the slab's shape), the first piece's extent in storage-axis order
+(a transposed copy in a flat parameter), flat ``(n,)`` (with the storage cut into dense runs instead).
 """
 
 from __future__ import annotations
