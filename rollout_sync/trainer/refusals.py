@@ -49,7 +49,9 @@ class EngineTraits:
 
 
 def _refuse(what: str, found: object, fix: str) -> UnsupportedLayoutError:
-    return UnsupportedLayoutError(f"{what} is not described by the trainer storage maps; {fix}", found=found)
+    return UnsupportedLayoutError(
+        f"{what} is not described by the trainer storage maps", expected=fix, found=found
+    )
 
 
 def refuse_engine(traits: EngineTraits) -> None:
