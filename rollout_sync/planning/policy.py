@@ -20,6 +20,7 @@ does for ``Balanced``), so a stateful policy sees the whole plan's load.
 from __future__ import annotations
 
 import zlib
+from bisect import bisect_left
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal, Protocol, Union
@@ -109,9 +110,10 @@ class Spread:
     def __call__(self, request: ReplicaRequest) -> int:
         candidates = request.candidates
         target = request.target_rank
-        if target in candidates:
-            return target
         n = len(candidates)
+        at = bisect_left(candidates, target)  # candidates are increasing: no linear scan
+        if at < n and candidates[at] == target:
+            return target
         if n == 1:
             return candidates[0]
         digits = 0

@@ -195,6 +195,7 @@ def plan_rank_half(
     free: dict[int, tuple[object, bool]] = {}  # id(source regions) -> (regions, choice free)
     cache: dict[tuple[int, int, tuple[int, ...]], tuple[object, object, list[Row]]] = {}
     out: list[tuple[int, list[Row]]] = []
+    memo: dict[int, tuple[tuple[Address, ...], tuple[int, ...], dict[int, Address]]] = {}  # see _holders
     for i, (s, t) in enumerate(pairs):
         if rank not in t.storage_shapes and rank not in s.storage_shapes:
             continue
@@ -212,7 +213,7 @@ def plan_rank_half(
             if hit is not None:
                 rows = hit[2]
         if rows is None:
-            rows = _rank_rows(s, t, rank, choose)
+            rows = _rank_rows(s, t, rank, choose, memo)
             if key is not None:
                 cache[key] = (s.regions, t.regions, rows)  # keeps the regions, so their ids stay theirs
         if rows:
@@ -228,7 +229,11 @@ def _chooser(policy: ReplicaPolicy) -> Callable[[ReplicaRequest], int] | None:
 
 
 def _rank_rows(
-    source: TensorMap, target: TensorMap, rank: int, choose: Callable[[ReplicaRequest], int] | None
+    source: TensorMap,
+    target: TensorMap,
+    rank: int,
+    choose: Callable[[ReplicaRequest], int] | None,
+    memo: dict[int, tuple[tuple[Address, ...], tuple[int, ...], dict[int, Address]]],
 ) -> list[Row]:
     """Sorted flat records (``rollout_sync.planning.plan`` layout) of one tensor's segments that ``rank``
     sends or receives."""
@@ -247,7 +252,7 @@ def _rank_rows(
             by_target[k].append(si)
         for k, (to, te, taddrs) in enumerate(mine):
             addrs = tuple(a for a in taddrs if a[0] == rank)
-            got = _emit(name, src, by_target[k], to, te, addrs, itemsize, choose, None, raw)
+            got = _emit(name, src, by_target[k], to, te, addrs, itemsize, choose, None, raw, memo)
             if got != prod(te):
                 raise CoverageError(
                     "target elements that no source holds",
@@ -268,7 +273,7 @@ def _rank_rows(
             to, te, taddrs = tgt[ti]
             addrs = tuple(a for a in taddrs if not (is_target and a[0] == rank))  # those are done above
             if addrs:
-                _emit(name, src, sis, to, te, addrs, itemsize, choose, rank, raw)
+                _emit(name, src, sis, to, te, addrs, itemsize, choose, rank, raw, memo)
 
     merged = merge_segments(raw, len(target.shape))
     rows = [(r[0], r[1], r[3], r[4], *r[2], *r[5], *r[7]) for r in merged]
@@ -287,6 +292,7 @@ def _emit(
     choose: Callable[[ReplicaRequest], int] | None,
     only_source: int | None,
     raw: list[Raw],
+    memo: dict[int, tuple[tuple[Address, ...], tuple[int, ...], dict[int, Address]]],
 ) -> int:
     """Append the raw segments of target region ``(to, te)`` from source regions ``sis`` to the holders
     ``taddrs``, keeping only those whose chosen source is ``only_source`` when given. Returns the elements
@@ -302,14 +308,19 @@ def _emit(
         sdelta = tuple(map(sub, xo, so))
         tdelta = tuple(map(sub, xo, to))
         pick_from = choose if len(saddrs) > 1 else None
-        holders = tuple(a[0] for a in saddrs) if pick_from is not None else ()
+        holders: tuple[int, ...] = ()
+        by_rank: dict[int, Address] = {}
+        if pick_from is not None:
+            holders, by_rank = _holders(saddrs, memo)
         box = Box(xo, xe)
         for trank, toff, tstr in taddrs:
             if pick_from is None:
                 chosen = saddrs[0]
             else:
                 request = ReplicaRequest(name, trank, box, holders, n * itemsize)
-                chosen = saddrs[holders.index(check_choice(request, pick_from(request)))]
+                pick = pick_from(request)
+                got = by_rank.get(pick) if type(pick) is int else None
+                chosen = got if got is not None else by_rank[check_choice(request, pick)]
             if only_source is not None and chosen[0] != only_source:
                 continue
             sstr = chosen[2]
@@ -326,3 +337,15 @@ def _emit(
                 )
             )
     return covered
+
+
+def _holders(
+    saddrs: tuple[Address, ...],
+    memo: dict[int, tuple[tuple[Address, ...], tuple[int, ...], dict[int, Address]]],
+) -> tuple[tuple[int, ...], dict[int, Address]]:
+    """The holder ranks of a source region and its address by rank, computed once per addresses tuple
+    (regions of one layout share theirs)."""
+    got = memo.get(id(saddrs))
+    if got is None:
+        got = memo[id(saddrs)] = (saddrs, tuple(a[0] for a in saddrs), {a[0]: a for a in saddrs})
+    return got[1], got[2]
