@@ -10,9 +10,10 @@ Lifecycle of one sync (every rank of the group calls ``Executor.execute``, even 
    mismatch, every rank raises the same ``PlanMismatchError``. Nothing has moved yet.
 3. **schedule** — pure, cached per (half content, agreed message sizes): per pair of ranks, the same
    messages on both ends (``schedule.build_schedule``).
-4. **transfer** — first every direct message (dense, same dtype: storage to storage, no staging) is
-   posted; then packed rounds: post receives, pack and post sends, wait, unpack (casting to the target
-   dtype); with ``overlap`` the next round is packed while the current one is on the wire. Copies within
+4. **transfer** — packed round 0, then every direct message (dense, same dtype: storage to storage, no
+   staging) at once, then the other packed rounds: post receives, pack and post sends, wait, unpack
+   (casting to the target dtype); with ``overlap`` the next round is packed while the current one is on
+   the wire. Copies within
    the rank run while the first rounds are in flight. Every wait is bounded by ``timeout`` (a progress
    timeout: no single message may take longer).
 
@@ -375,8 +376,13 @@ class Executor:
                 clock.add("post", t)
             pending_send[r] = sent
 
+        # Round 0 first: its receivers can unpack while the direct messages stream behind it (on one
+        # connection per pair, messages leave in the order they are posted). Every rank issues in the
+        # same order (round 0, direct, round 1, ...), which NCCL needs.
+        if rounds:
+            post(0)
         direct = post_direct()
-        for r in range(min(depth, rounds)):
+        for r in range(1, min(depth, rounds)):
             post(r)
         t = time.perf_counter()
         for s in schedule.local:
