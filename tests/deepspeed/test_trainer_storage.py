@@ -24,14 +24,14 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as tdist
-from trainer_helpers import checkpoint_tensors, compare_views, full_tensors, same_bits, timed
+from trainer_helpers import checkpoint_tensors, compare_views, full_tensors, run_engines, same_bits, timed
 
 from rollout_sync.layout.maps import TensorMap
 from rollout_sync.models import model_tensors, trainer_maps, vllm_target_maps
 from rollout_sync.planning.planner import plan_model
 from rollout_sync.testing.storage import extract
 from rollout_sync.trainer import trainer_storage, trainer_storages
-from tests.harness.deepspeed_engines import DeepSpeedRank, DeepSpeedSpec, run_deepspeed, train_step
+from tests.harness.deepspeed_engines import DeepSpeedRank, DeepSpeedSpec, train_step
 
 pytestmark = pytest.mark.deepspeed
 
@@ -169,49 +169,82 @@ def _dry_run(ctx: DeepSpeedRank) -> list[TensorMap] | None:
     )
 
 
-CASES = [
-    pytest.param(DeepSpeedSpec("dense", 0, dtype="bf16"), 2, id="zero0-bf16-w2"),
-    pytest.param(DeepSpeedSpec("dense", 1, dtype="bf16"), 4, id="zero1-bf16-w4"),
-    pytest.param(DeepSpeedSpec("dense", 2, dtype="fp32"), 2, id="zero2-fp32-w2"),
+def _z3(spec: DeepSpeedSpec) -> DeepSpeedSpec:
+    """Keep small parameters partitioned (a gathered one is refused, see test_trainer_refusals.py)."""
+    return dataclasses.replace(
+        spec, extra_config={"zero_optimization": {"stage3_param_persistence_threshold": 0}}
+    )
+
+
+BF16_OPTIMIZER = {"data_types": {"grad_accum_dtype": "fp32"}}
+ROUND_ROBIN = {"zero_optimization": {"round_robin_gradients": True}}
+
+# One launch of ranks per group; AutoTP engines last in their launch (AutoTP's groups are process-wide).
+GROUPS = [
     pytest.param(
-        DeepSpeedSpec("dense-tied", 3, dtype="bf16", zero_init=True), 4, id="zero3-zero-init-bf16-tied-w4"
-    ),
-    pytest.param(
-        DeepSpeedSpec("dense", 1, dtype="bf16", extra_config={"data_types": {"grad_accum_dtype": "fp32"}}),
         2,
-        id="zero1-bf16-BF16_Optimizer-w2",
+        [
+            DeepSpeedSpec("dense", 0, dtype="bf16"),
+            DeepSpeedSpec("dense", 2, dtype="fp32"),
+            DeepSpeedSpec("dense", 1, dtype="bf16", extra_config=BF16_OPTIMIZER),
+            DeepSpeedSpec("dense", 0, autotp_size=2, dtype="fp32"),
+            DeepSpeedSpec("dense-tied", 2, autotp_size=2, dtype="bf16"),
+        ],
+        id="w2-zero0-zero2fp32-bf16optimizer-tp2zero0fp32-tp2zero2tied",
     ),
-    pytest.param(DeepSpeedSpec("dense", 0, autotp_size=2, dtype="fp32"), 2, id="zero0-tp2-fp32-w2"),
-    pytest.param(DeepSpeedSpec("dense", 1, autotp_size=2, dtype="bf16"), 4, id="zero1-tp2-bf16-w4"),
-    pytest.param(DeepSpeedSpec("dense-tied", 2, autotp_size=2, dtype="bf16"), 2, id="zero2-tp2-bf16-tied-w2"),
-    pytest.param(DeepSpeedSpec("dense", 3, autotp_size=2, dtype="bf16"), 4, id="zero3-tp2-bf16-w4"),
     pytest.param(
-        DeepSpeedSpec(
-            "dense", 2, dtype="bf16", extra_config={"zero_optimization": {"round_robin_gradients": True}}
-        ),
         4,
-        id="zero2-round-robin-bf16-w4",
+        [
+            DeepSpeedSpec("dense", 1, dtype="bf16"),
+            DeepSpeedSpec("dense", 2, dtype="bf16", extra_config=ROUND_ROBIN),
+            _z3(DeepSpeedSpec("dense-tied", 3, dtype="bf16", zero_init=True)),
+            DeepSpeedSpec("dense", 1, autotp_size=2, dtype="bf16"),
+            _z3(DeepSpeedSpec("dense", 3, autotp_size=2, dtype="bf16")),
+        ],
+        id="w4-zero1-zero2roundrobin-zero3zeroinittied-tp2zero1-tp2zero3",
     ),
-    pytest.param(DeepSpeedSpec("moe", 0, autoep_size=2, dtype="bf16"), 2, id="zero0-ep2-bf16-w2"),
-    pytest.param(DeepSpeedSpec("moe", 1, autoep_size=2, dtype="bf16"), 4, id="zero1-ep2-bf16-w4"),
-    pytest.param(DeepSpeedSpec("moe", 2, autoep_size=2, dtype="fp32"), 2, id="zero2-ep2-fp32-w2"),
-    pytest.param(DeepSpeedSpec("moe", 3, autoep_size=2, dtype="bf16"), 4, id="zero3-ep2-bf16-w4"),
+    pytest.param(
+        2,
+        [
+            DeepSpeedSpec("moe", 0, autoep_size=2, dtype="bf16"),
+            DeepSpeedSpec("moe", 2, autoep_size=2, dtype="fp32"),
+        ],
+        id="w2-ep2zero0-ep2zero2fp32",
+    ),
+    pytest.param(
+        4,
+        [DeepSpeedSpec("moe", 1, autoep_size=2, dtype="bf16"), _z3(DeepSpeedSpec("moe", 3, autoep_size=2))],
+        id="w4-ep2zero1-ep2zero3",
+    ),
 ]
 
 
-@pytest.mark.parametrize(("spec", "world"), CASES)
+@pytest.mark.parametrize(("world", "specs"), GROUPS)
 def test_storage_views_are_each_ranks_pieces_of_the_full_tensors_before_and_after_a_step(
-    tiny_model: Any, spec: DeepSpeedSpec, world: int
+    tiny_model: Any, world: int, specs: list[DeepSpeedSpec]
 ) -> None:
-    if spec.zero_stage == 3:  # keep small parameters partitioned (a gathered one is refused, see refusals)
-        spec = dataclasses.replace(
-            spec, extra_config={"zero_optimization": {"stage3_param_persistence_threshold": 0}}
-        )
     started = time.perf_counter()
-    results = run_deepspeed(spec, tiny_model(spec.kind), _check, world, timeout=600)
+    results = run_engines(specs, [tiny_model(s.kind) for s in specs], _check, world, timeout=900)
     wall = time.perf_counter() - started
-    wrong = [w for r in results for w in r["wrong"]]
+    wrong = [
+        f"{_label(specs[i])}: {w}" for per_rank in results for i, r in enumerate(per_rank) for w in r["wrong"]
+    ]
     assert not wrong, "\n".join(wrong[:20])
-    print(
-        f"\n{spec} w{world}: {wall:.1f} s wall, rank 0 start-up {results[0]['startup']:.1f} s, dry run {results[0]['dry_run']}: {results[0]['log']}"
-    )
+    print(f"\n{world} ranks, {len(specs)} engines: {wall:.1f} s wall")
+    for spec, r in zip(specs, results[0], strict=True):
+        print(
+            f"  {_label(spec)}: engine built in {r['startup']:.1f} s, dry-run parity {r['dry_run']}, {r['log']}"
+        )
+
+
+def _label(spec: DeepSpeedSpec) -> str:
+    parts = [spec.kind, f"zero{spec.zero_stage}", spec.dtype]
+    if spec.autotp_size > 1:
+        parts.append(f"tp{spec.autotp_size}")
+    if spec.autoep_size > 1:
+        parts.append(f"ep{spec.autoep_size}")
+    if spec.zero_init:
+        parts.append("zero.Init")
+    if spec.extra_config:
+        parts.append(str(spec.extra_config))
+    return " ".join(parts)

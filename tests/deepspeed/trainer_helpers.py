@@ -172,3 +172,42 @@ def timed(log: dict[str, float], label: str, fn: Callable[[], Any]) -> Any:
     out = fn()
     log[label] = log.get(label, 0.0) + time.perf_counter() - start
     return out
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Several engines, one after the other, in one launch of ranks (the launch dominates the cost on a CPU)
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _engines_main(
+    rank: int, world_size: int, group: Any, specs: list[Any], paths: list[str], check: Callable[..., Any]
+) -> list[Any]:
+    import gc
+
+    from tests.harness.deepspeed_engines import DeepSpeedRank, build_engine, init_deepspeed_distributed
+
+    init_deepspeed_distributed(rank, world_size, group)
+    results = []
+    for spec, path in zip(specs, paths, strict=True):
+        started = time.perf_counter()
+        engine = build_engine(spec, path)
+        ctx = DeepSpeedRank(rank, world_size, group, spec, Path(path), engine, time.perf_counter() - started)
+        try:
+            results.append(check(ctx))
+        finally:
+            engine.destroy()
+            del ctx, engine
+            gc.collect()
+            tdist.barrier()
+    return results
+
+
+def run_engines(
+    specs: list[Any], paths: list[Path], check: Callable[..., Any], world_size: int, timeout: float = 900.0
+) -> list[list[Any]]:
+    """``check(ctx)`` on each engine of ``specs`` in turn (built from ``paths``), in one launch of
+    ``world_size`` ranks; per rank, the results in spec order. Engines with AutoTP must come after engines
+    without it (AutoTP's groups are process-wide), and one launch uses one AutoTP and one AutoEP size."""
+    from tests.harness.ranks import run_on_ranks
+
+    return run_on_ranks(_engines_main, world_size, specs, [str(p) for p in paths], check, timeout=timeout)
