@@ -12,7 +12,8 @@ No generation may run while weights are written. Inside one ``collective_rpc`` t
 ``finish``, as vLLM's ``start_weight_update`` / ``update_weights`` / ``finish_weight_update``) must be
 bracketed by the caller with vLLM's pause (``/pause`` ... ``/resume`` on a server, which also clears the
 prefix cache); should a forward run anyway while an update is open, a forward pre-hook raises instead of
-generating from half-written weights.
+generating from half-written weights. The hook is a safety net, not the mechanism: a replayed CUDA graph
+runs no Python hook.
 """
 
 from __future__ import annotations
