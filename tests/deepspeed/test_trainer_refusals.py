@@ -15,10 +15,11 @@ from typing import Any
 
 import pytest
 import torch
+from trainer_helpers import run_engines
 
 from rollout_sync.errors import LayoutError, UnsupportedLayoutError
 from rollout_sync.trainer import trainer_storage, trainer_storages
-from tests.harness.deepspeed_engines import DeepSpeedRank, DeepSpeedSpec, run_deepspeed, train_step
+from tests.harness.deepspeed_engines import DeepSpeedRank, DeepSpeedSpec, train_step
 
 pytestmark = pytest.mark.deepspeed
 
@@ -72,18 +73,6 @@ def _expert_refusals(ctx: DeepSpeedRank) -> dict[str, str | None]:
     return out
 
 
-def test_a_zero3_autoep_engine_refuses_gathered_resized_regrouped_and_mixed_expert_storage(
-    tiny_model: Any,
-) -> None:
-    spec = DeepSpeedSpec(
-        "moe", 3, autoep_size=2, extra_config={"zero_optimization": {"stage3_param_persistence_threshold": 0}}
-    )
-    results = run_deepspeed(spec, tiny_model("moe"), _expert_refusals, 2, timeout=600)
-    problems = {f"rank {r}: {k}": v for r, res in enumerate(results) for k, v in res.items() if v is not None}
-    assert not problems, problems
-    assert set(results[0]) == {"gathered", "edp group", "ds_tensor size", "mixed experts"}
-
-
 def _persistent(ctx: DeepSpeedRank) -> dict[str, str | None]:
     """Default persistence threshold: small parameters stay gathered after a step until the cache is
     emptied."""
@@ -99,14 +88,6 @@ def _persistent(ctx: DeepSpeedRank) -> dict[str, str | None]:
     return out
 
 
-def test_persistent_zero3_parameters_are_refused_until_the_partition_cache_is_emptied(
-    tiny_model: Any,
-) -> None:
-    results = run_deepspeed(DeepSpeedSpec("dense", 3), tiny_model("dense"), _persistent, 2, timeout=600)
-    problems = {f"rank {r}: {k}": v for r, res in enumerate(results) for k, v in res.items() if v is not None}
-    assert not problems, problems
-
-
 def _offload(ctx: DeepSpeedRank) -> str | None:
     return _refused(lambda: trainer_storage(ctx.engine), UnsupportedLayoutError, "offloaded")
 
@@ -115,28 +96,66 @@ def _hpz(ctx: DeepSpeedRank) -> str | None:
     return _refused(lambda: trainer_storage(ctx.engine), UnsupportedLayoutError, "hpZ secondary partitions")
 
 
-@pytest.mark.parametrize(
-    "zero",
-    [
-        pytest.param({"stage": 2, "offload_optimizer": {"device": "cpu"}}, id="zero2-offload-optimizer-cpu"),
-        pytest.param(
-            {"stage": 3, "offload_param": {"device": "cpu"}, "stage3_param_persistence_threshold": 0},
-            id="zero3-offload-param-cpu",
+def _one(ctx: DeepSpeedRank) -> dict[str, str | None]:
+    """The check of one engine of the launch, chosen by its spec."""
+    zero = ctx.spec.extra_config.get("zero_optimization", {})
+    if ctx.spec.autoep_size > 1:
+        return _expert_refusals(ctx)
+    if "offload_optimizer" in zero or "offload_param" in zero:
+        return {"offload": _offload(ctx)}
+    if zero.get("zero_hpz_partition_size", 1) > 1:
+        return {"hpZ": _hpz(ctx)}
+    return _persistent(ctx)
+
+
+NO_PERSISTENCE = {"stage3_param_persistence_threshold": 0}
+CPU_OFFLOAD = {"zero_force_ds_cpu_optimizer": False}
+
+
+def _problems(results: list[list[dict[str, str | None]]]) -> dict[str, str]:
+    return {
+        f"rank {r}, engine {i}: {k}": v
+        for r, per_rank in enumerate(results)
+        for i, res in enumerate(per_rank)
+        for k, v in res.items()
+        if v is not None
+    }
+
+
+def test_offloaded_gathered_persistent_resized_regrouped_and_mixed_storage_is_refused(
+    tiny_model: Any,
+) -> None:
+    specs = [
+        DeepSpeedSpec(
+            "dense",
+            2,
+            extra_config={"zero_optimization": {"offload_optimizer": {"device": "cpu"}}, **CPU_OFFLOAD},
         ),
-    ],
-)
-def test_offloaded_optimizer_states_and_parameters_are_refused(tiny_model: Any, zero: dict[str, Any]) -> None:
-    spec = DeepSpeedSpec(
-        "dense",
-        int(zero["stage"]),
-        extra_config={"zero_optimization": zero, "zero_force_ds_cpu_optimizer": False},
-    )
-    results = run_deepspeed(spec, tiny_model("dense"), _offload, 2, timeout=600)
-    assert results == [None, None], results
+        DeepSpeedSpec(
+            "dense",
+            3,
+            extra_config={
+                "zero_optimization": {"offload_param": {"device": "cpu"}, **NO_PERSISTENCE},
+                **CPU_OFFLOAD,
+            },
+        ),
+        DeepSpeedSpec("dense", 3),  # default persistence threshold: small parameters stay gathered
+        DeepSpeedSpec("moe", 3, autoep_size=2, extra_config={"zero_optimization": NO_PERSISTENCE}),
+    ]
+    results = run_engines(specs, [tiny_model(s.kind) for s in specs], _one, 2, timeout=900)
+    assert not _problems(results), _problems(results)
+    assert [set(r) for r in results[0]] == [
+        {"offload"},
+        {"offload"},
+        {"persistent", "after empty_partition_cache"},
+        {"gathered", "edp group", "ds_tensor size", "mixed experts"},
+    ]
 
 
 def test_zeropp_hierarchical_secondary_partitions_are_refused(tiny_model: Any) -> None:
-    zero = {"stage": 3, "zero_hpz_partition_size": 2, "stage3_param_persistence_threshold": 0}
-    spec = DeepSpeedSpec("dense", 3, extra_config={"zero_optimization": zero})
-    results = run_deepspeed(spec, tiny_model("dense"), _hpz, 4, timeout=600)
-    assert results == [None] * 4, results
+    spec = DeepSpeedSpec(
+        "dense", 3, extra_config={"zero_optimization": {"zero_hpz_partition_size": 2, **NO_PERSISTENCE}}
+    )
+    results = run_engines([spec], [tiny_model("dense")], _one, 4, timeout=600)
+    assert not _problems(results), _problems(results)
+    assert [set(r) for r in results[0]] == [{"hpZ"}]
