@@ -381,3 +381,65 @@ def test_a_plain_engine_is_not_refused() -> None:
         (3, "DeepSpeedZeroOptimizer_Stage3"),
     ):
         refuse_engine(EngineTraits(stage, opt))
+
+
+# --------------------------------------------------------------------------------------------------------
+# Dry run: facts from a model config and a layout description alone
+# --------------------------------------------------------------------------------------------------------
+
+TINY_DENSE = {
+    "model_type": "qwen3",
+    "vocab_size": 1000,
+    "hidden_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "intermediate_size": 256,
+    "tie_word_embeddings": False,
+}
+TINY_MOE = {
+    **TINY_DENSE,
+    "model_type": "qwen3_moe",
+    "num_local_experts": 8,
+    "moe_intermediate_size": 64,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+}
+
+
+@pytest.mark.parametrize(
+    ("config", "stage", "dp", "tp", "ep"),
+    [
+        (TINY_DENSE, 3, 2, 2, 1),
+        (TINY_DENSE, 1, 3, 2, 1),
+        (TINY_MOE, 2, 4, 1, 2),
+        (TINY_MOE, 3, 4, 1, 2),
+        (TINY_MOE, 3, 3, 1, 1),
+    ],
+)
+def test_dry_run_param_maps_equal_the_map_builders_and_every_state_addresses_deepspeed_buffers(
+    config: dict, stage: int, dp: int, tp: int, ep: int
+) -> None:
+    from rollout_sync.models import model_tensors, trainer_maps
+    from rollout_sync.trainer.dry_run import dry_run_facts
+
+    model = model_tensors(config)
+    facts = dry_run_facts(model, stage, dp, tp, ep)
+    ours = {sm.map.name: sm.map for sm in state_maps(facts, "param")}
+    theirs = {m.name: m for m in trainer_maps(model, stage, dp, tp, ep)}
+    assert ours == theirs
+    for state in ("param", "fp32") if stage else ("param",):
+        check_against_buffers(facts, state)
+
+
+def test_a_dry_run_of_a_tied_embedding_under_autotp_splits_it_like_lm_head() -> None:
+    from rollout_sync.models import model_tensors
+    from rollout_sync.trainer.dry_run import dry_run_facts
+
+    facts = dry_run_facts(model_tensors({**TINY_DENSE, "tie_word_embeddings": True}), 2, 1, 2)
+    (embed,) = (sm.map for sm in state_maps(facts, "param") if sm.map.name == "model.embed_tokens.weight")
+    assert [str(p.box) for r in (0, 1) for p in embed.ranks[r].pieces] == [
+        "[0:500, 0:128]",
+        "[500:1000, 0:128]",
+    ]
