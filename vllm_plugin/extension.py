@@ -26,6 +26,7 @@ class RolloutSyncExtension:
     """Worker extension: target maps of this worker and in-place weight updates."""
 
     rollout_sync_worker: RolloutWorker | None = None
+    rollout_sync_link: Any = None
 
     def rollout_sync_get(self) -> RolloutWorker:
         worker = self.rollout_sync_worker
@@ -82,3 +83,46 @@ class RolloutSyncExtension:
     def rollout_sync_uncovered(self) -> dict[str, list[list[int]]]:
         """Per parameter, the flat element ranges no storage view covers (padding the sync never writes)."""
         return {n: [list(r) for r in ranges] for n, ranges in self.rollout_sync_get().uncovered().items()}
+
+    def rollout_sync_connect(
+        self,
+        address: str,
+        engine: int = 0,
+        token: str | None = None,
+        timeout: float = 120.0,
+        staging_cap_bytes: int | None = None,
+    ) -> dict[str, Any]:
+        """Join the sync group through the coordinator at ``address`` as a worker of engine ``engine``
+        (after ``rollout_sync_setup``). Blocks until every trainer rank and worker has joined."""
+        from vllm.distributed.parallel_state import get_tp_group
+
+        from rollout_sync.transport import DEFAULT_STAGING_CAP_BYTES
+
+        from .link import connect
+
+        tp = get_tp_group()
+        self.rollout_sync_link = connect(
+            self.rollout_sync_get(),
+            address,
+            engine=engine,
+            tp_rank=tp.rank_in_group,
+            tp_size=tp.world_size,
+            token=token,
+            timeout=timeout,
+            staging_cap_bytes=staging_cap_bytes or DEFAULT_STAGING_CAP_BYTES,
+        )
+        return dict(self.rollout_sync_link.status())
+
+    def rollout_sync_receive(self) -> dict[str, Any]:
+        """Receive one sync into this worker's parameters, in place (call while no generation runs: one
+        ``collective_rpc`` runs between engine steps). Returns the version the trainer sent."""
+        from .link import receive
+
+        if self.rollout_sync_link is None:
+            raise IncompleteUpdateError("rollout_sync_connect has not run on this worker")
+        return receive(self.rollout_sync_get(), self.rollout_sync_link)
+
+    def rollout_sync_status(self) -> dict[str, Any]:
+        """The link's state: global rank, last complete version, whether the last sync was incomplete."""
+        link = self.rollout_sync_link
+        return {"connected": False} if link is None else {"connected": True, **link.status()}

@@ -67,3 +67,12 @@ def merge(parts: Iterable[TensorMap]) -> TensorMap:
         for rank, storage in sorted(ranks.items())
     }
     return TensorMap(first.name, first.shape, first.dtype, merged)
+
+
+def alone(tmap: TensorMap, rank: int, new_rank: int | None = None) -> TensorMap:
+    """The part of ``tmap`` that describes rank ``rank`` alone, as rank ``new_rank`` (default: ``rank``),
+    with itself as the only holder of each piece: what one worker knows before the parts are merged."""
+    new_rank = rank if new_rank is None else new_rank
+    storage = tmap.ranks[rank]
+    pieces = tuple(Piece(p.box, p.offset, p.strides, (new_rank,)) for p in storage.pieces)
+    return TensorMap(tmap.name, tmap.shape, tmap.dtype, {new_rank: RankStorage(storage.shape, pieces)})

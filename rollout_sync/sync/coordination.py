@@ -15,7 +15,7 @@ from typing import Any
 
 from ..errors import PlanMismatchError
 from ..handshake import ROLLOUT, TRAINER, Coordinator
-from ..layout.combine import merge, renumber
+from ..layout.combine import alone, merge
 from ..layout.maps import TensorMap
 from ..planning.plan import Plan
 from ..planning.planner import plan_model
@@ -60,9 +60,14 @@ def coordinate(
         for p in peers:
             if p.role != ROLLOUT:
                 continue
-            table = {p.local_rank: coord.global_rank(p)}
+            described, rank = int(p.fields.get("map_rank", p.local_rank)), coord.global_rank(p)
             for m in decode_maps(p.payload):
-                parts[m.name].append(renumber(m, table))
+                if set(m.ranks) != {described}:
+                    raise PlanMismatchError(
+                        f"{p.name} describes ranks {sorted(m.ranks)} of tensor {m.name!r}; a worker describes "
+                        f"its own storage only (rank {described})"
+                    )
+                parts[m.name].append(alone(m, described, rank))
         targets = [merge(ms) for _, ms in sorted(parts.items())]
         plan = plan_model(sources, targets, policy=policy)
         world = coord.world_size

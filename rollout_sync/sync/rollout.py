@@ -45,17 +45,20 @@ class RolloutLink:
         local_rank: int,
         local_size: int,
         maps: Sequence[TensorMap],
+        map_rank: int | None = None,
         token: str | None = None,
         timeout: float = 120.0,
         staging_cap_bytes: int = DEFAULT_STAGING_CAP_BYTES,
     ) -> RolloutLink:
-        """Join the handshake as worker ``local_rank`` of engine ``engine``; ``maps`` describe this worker's
-        storage with rank ``local_rank``."""
+        """Join the handshake as worker ``local_rank`` of engine ``engine``. ``maps`` describe this worker's
+        storage alone, under rank ``map_rank`` (default ``local_rank``); the coordinator renumbers it to the
+        worker's global rank."""
+        map_rank = local_rank if map_rank is None else map_rank
         for m in maps:
-            if set(m.ranks) - {local_rank}:
+            if set(m.ranks) - {map_rank}:
                 raise ValueError(
                     f"map {m.name!r} describes ranks {sorted(m.ranks)}; a worker describes only itself "
-                    f"(rank {local_rank})"
+                    f"(rank {map_rank})"
                 )
         endpoint = Endpoint.join(
             address,
@@ -65,6 +68,7 @@ class RolloutLink:
             local_rank=local_rank,
             local_size=local_size,
             payload=encode_maps(list(maps)),
+            fields={"map_rank": map_rank},
             timeout=timeout,
             options=ExecuteOptions(staging_cap_bytes=staging_cap_bytes, timeout=timeout),
         )

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from ..layout.maps import Piece, RankStorage, TensorMap
+from ..layout.combine import alone
+from ..layout.maps import TensorMap
 
 
 def extract(full: torch.Tensor, tmap: TensorMap, rank: int, *, fill: float = float("nan")) -> torch.Tensor:
@@ -30,7 +31,5 @@ def extract(full: torch.Tensor, tmap: TensorMap, rank: int, *, fill: float = flo
 
 def local_part(tmap: TensorMap, rank: int, local_rank: int) -> TensorMap:
     """The part of ``tmap`` that describes rank ``rank`` alone, renumbered to ``local_rank`` (what one
-    vLLM worker describes before it knows its global rank: its own storage, itself as the only holder)."""
-    storage = tmap.ranks[rank]
-    pieces = tuple(Piece(p.box, p.offset, p.strides, (local_rank,)) for p in storage.pieces)
-    return TensorMap(tmap.name, tmap.shape, tmap.dtype, {local_rank: RankStorage(storage.shape, pieces)})
+    vLLM worker describes before it knows its global rank)."""
+    return alone(tmap, rank, local_rank)

@@ -1,0 +1,122 @@
+"""Steps shared by the end-to-end tests: a DeepSpeed job in a rank pool and a real vLLM engine, joined by
+the handshake, synced after every optimizer step, and checked against the trainer's own checkpoint."""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rollout_sync.testing.deepspeed import DeepSpeedSpec
+from rollout_sync.testing.rank_pool import RankContext, RankPool, free_port
+from rollout_sync.testing.trainer_ranks import attach, setup, train_step
+from tests.harness.vllm_engines import DEFAULT_PROMPTS
+from tests.vllm.rollout_checks import Snapshot, differing_params, snapshot
+from vllm_plugin.driver import apply_checkpoint, setup_engines
+
+TOKEN = "e2e-token"
+EXTENSION = "vllm_plugin.extension.RolloutSyncExtension"
+TRAINER_ENV = {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+
+
+def save_checkpoint(ctx: RankContext, out: str, model_dir: str) -> list[str]:
+    """What ``save_pretrained`` writes, from DeepSpeed's own gathers (no rollout-sync map involved): every
+    logical tensor under its checkpoint name, plus the model's config and tokenizer files. Collective."""
+    from safetensors.torch import save_file
+
+    from tests.deepspeed.trainer_helpers import full_tensors
+
+    full = full_tensors(ctx.state["engine"], "param")
+    if ctx.rank == 0:
+        path = Path(out)
+        path.mkdir(parents=True, exist_ok=True)
+        for f in Path(model_dir).iterdir():
+            if (
+                f.is_file()
+                and not f.name.endswith(".safetensors")
+                and f.name != "model.safetensors.index.json"
+            ):
+                shutil.copy(f, path / f.name)
+        save_file({n: t.contiguous() for n, t in full.items()}, str(path / "model.safetensors"))
+    return sorted(full)
+
+
+@dataclass
+class StepRecord:
+    version: int
+    trainer: list[dict[str, Any]]
+    workers: list[dict[str, Any]]
+    synced: Snapshot
+    reapplied: Snapshot
+    checkpoint: Path
+
+
+@dataclass
+class E2ERun:
+    ranks: list[int]
+    steps: list[StepRecord] = field(default_factory=list)
+
+
+def run_sync_steps(
+    engine: Any,
+    spec: DeepSpeedSpec,
+    model: Path,
+    out: Path,
+    *,
+    steps: int = 3,
+    trainers: int = 2,
+    policy: str = "balanced",
+    timeout: float = 90.0,
+) -> E2ERun:
+    """Train ``steps`` steps; after each, the hook syncs into ``engine`` (driven here, as a driver would);
+    then the trainer's checkpoint is saved and written into the engine through vLLM's own loader maps: a
+    sync that landed every element leaves every parameter unchanged by that write."""
+    with RankPool(trainers, env=TRAINER_ENV, timeout=600) as pool:
+        pool.call(setup, spec, str(model))
+        setup_engines([engine], first_rank=trainers)
+        address = f"tcp://127.0.0.1:{free_port()}"
+        pending = pool.submit(attach, address, TOKEN, 1, 1, policy, timeout)
+        engine.collective_rpc(
+            "rollout_sync_connect",
+            kwargs={"address": address, "engine": 0, "token": TOKEN, "timeout": timeout},
+        )
+        run = E2ERun(ranks=pending.result(timeout * 2))
+        for step in range(1, steps + 1):
+            pending = pool.submit(train_step, step)
+            workers = engine.collective_rpc("rollout_sync_receive")
+            trainer = pending.result(timeout * 2)
+            engine.llm.reset_prefix_cache()
+            synced = snapshot(engine)
+            checkpoint = out / f"step{step}"
+            pool.call(save_checkpoint, str(checkpoint), str(model))
+            apply_checkpoint([engine], str(checkpoint))
+            reapplied = snapshot(engine)
+            version = trainer[0]["sync"]["version"]
+            run.steps.append(StepRecord(version, trainer, workers, synced, reapplied, checkpoint))
+    return run
+
+
+def check_steps(run: E2ERun) -> None:
+    for i, rec in enumerate(run.steps, start=1):
+        assert [t["sync"]["version"] for t in rec.trainer] == [rec.version] * len(rec.trainer), rec.trainer
+        assert [w["version"] for w in rec.workers] == [rec.version] * len(rec.workers), rec.workers
+        assert not any(w["incomplete"] for w in rec.workers)
+        assert differing_params(rec.synced, rec.reapplied) == [], f"step {i}: parameters differ"
+        assert rec.synced.tokens == rec.reapplied.tokens, f"step {i}"
+    versions = [rec.version for rec in run.steps]
+    assert versions == sorted(set(versions)), versions
+    assert run.steps[0].synced.digests != run.steps[-1].synced.digests, "training changed nothing"
+
+
+def fresh_engine_snapshot(pool: Any, checkpoint: Path, tp: int, **kwargs: Any) -> Snapshot:
+    from tests.harness.vllm_engines import vllm_spec
+
+    fresh = pool.get(vllm_spec(checkpoint, tp, worker_extension_cls=EXTENSION, **kwargs))
+    try:
+        return snapshot(fresh)
+    finally:
+        pool.discard(fresh)
+
+
+__all__ = ["DEFAULT_PROMPTS", "E2ERun", "check_steps", "fresh_engine_snapshot", "run_sync_steps"]

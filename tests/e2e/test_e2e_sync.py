@@ -1,0 +1,39 @@
+"""End to end on CPU: real DeepSpeed trainer ranks and a real vLLM engine (TP 2), joined by the ZeroMQ
+handshake into one gloo group, synced by the trainer hook after each of three optimizer steps. After each
+sync vLLM holds exactly the trainer's weights (a write of the trainer's own checkpoint changes no bit), and
+after the last its greedy tokens and every parameter equal a fresh engine loaded from that checkpoint."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from rollout_sync.testing.deepspeed import DeepSpeedSpec
+from tests.e2e.e2e_steps import EXTENSION, check_steps, fresh_engine_snapshot, run_sync_steps
+from tests.harness.vllm_engines import vllm_spec
+from tests.vllm.rollout_checks import differing_params
+
+pytestmark = [pytest.mark.vllm, pytest.mark.deepspeed]
+
+
+def _check_against_fresh(vllm_pool: Any, run: Any, tp: int = 2) -> None:
+    last = run.steps[-1]
+    fresh = fresh_engine_snapshot(vllm_pool, last.checkpoint, tp)
+    assert last.synced.tokens == fresh.tokens
+    assert differing_params(last.synced, fresh) == []
+
+
+def test_zero3_on_two_ranks_syncs_into_a_tp2_engine_after_every_step(
+    tiny_model: Any, vllm_pool: Any, tmp_path: Path
+):
+    model = tiny_model("dense")
+    engine = vllm_pool.get(vllm_spec(model, 2, worker_extension_cls=EXTENSION))
+    try:
+        run = run_sync_steps(engine, DeepSpeedSpec("dense", 3), model, tmp_path)
+    finally:
+        vllm_pool.discard(engine)
+    assert run.ranks == [0, 1]
+    check_steps(run)
+    _check_against_fresh(vllm_pool, run)

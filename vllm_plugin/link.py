@@ -1,0 +1,68 @@
+"""Joining the sync group and receiving a sync inside one vLLM worker (shared by the worker extension and
+the weight-transfer backend).
+
+``connect`` sends this worker's target maps (from its ``RolloutWorker``) through the handshake and joins
+the group. ``receive`` opens an update (forwards refuse to run meanwhile), receives this worker's half
+straight into the storage views (staging buffers for tensors refused for in-place writes), commits with
+every other rank, then loads staged tensors and rebuilds derived copies. A failed receive aborts the update
+and leaves the link ``incomplete``: the worker does not claim the new version.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rollout_sync.sync.rollout import RolloutLink
+from rollout_sync.transport import DEFAULT_STAGING_CAP_BYTES
+
+from .worker_state import RolloutWorker
+
+__all__ = ["connect", "receive"]
+
+
+def connect(
+    worker: RolloutWorker,
+    address: str,
+    *,
+    engine: int,
+    tp_rank: int,
+    tp_size: int,
+    token: str | None = None,
+    timeout: float = 120.0,
+    staging_cap_bytes: int = DEFAULT_STAGING_CAP_BYTES,
+) -> RolloutLink:
+    return RolloutLink.connect(
+        address,
+        engine=engine,
+        local_rank=tp_rank,
+        local_size=tp_size,
+        maps=list(worker.targets.maps.values()),
+        map_rank=worker.rank,
+        token=token,
+        timeout=timeout,
+        staging_cap_bytes=staging_cap_bytes,
+    )
+
+
+def receive(worker: RolloutWorker, link: RolloutLink, *, open_update: bool = True) -> dict[str, Any]:
+    """Receive one sync; returns a JSON-able report (version, seconds, bytes, derived copies rebuilt).
+    With ``open_update=False`` the caller has already opened the update (vLLM's ``start_weight_update``)
+    and will finish it (``finish_weight_update``)."""
+    session = worker.begin() if open_update else worker.session
+    if session is None:
+        raise RuntimeError(f"rank {worker.rank}: no weight update is open (call start_weight_update first)")
+    try:
+        targets = {name: session.storage(name) for name in link.target_names}
+        result = link.receive(targets)
+        for name in link.target_names:
+            session.mark_written(name)
+        report = worker.finish() if open_update else {}
+    except BaseException:
+        worker.abort()
+        raise
+    return {
+        **link.status(),
+        "seconds": result.seconds,
+        "stats": result.stats.to_dict(),
+        "refreshed": report.get("refreshed", []),
+    }
