@@ -3,11 +3,13 @@ of its own buffers.
 
 Pure modules (no torch): ``facts`` (layout facts), ``placement`` (TP/EP placements from DeepSpeed's
 descriptions), ``naming`` (logical tensor names), ``zero_geometry`` (ZeRO-1/2 flat buffers),
-``storage_maps`` (facts to maps), ``refusals``. Live modules: ``read_engine`` (facts and buffers of an
+``storage_maps`` (facts to maps), ``dry_run`` (facts from a model config and a layout description),
+``refusals``. Live modules: ``read_engine`` (facts and buffers of an
 engine), ``views``, ``storage`` (entry points). The live modules import torch; DeepSpeed is imported only
 when an engine is read.
 """
 
+from .dry_run import dry_run_facts
 from .facts import STATES, LogicalPart, ParamFacts, TrainerFacts, ZeroGroup
 from .storage_maps import LocalRun, StorageMap, state_maps
 
@@ -20,6 +22,7 @@ __all__ = [
     "TrainerFacts",
     "TrainerStorage",
     "ZeroGroup",
+    "dry_run_facts",
     "state_maps",
     "trainer_storage",
     "trainer_storages",

@@ -11,8 +11,9 @@ One engine launch per configuration covers every check of that configuration:
 4. a plan from the trainer maps into a vLLM-style layout over the same ranks (TP over every rank), executed
    into NaN-filled targets, reproduces every logical tensor exactly, from the parameters and from the
    fp32 master weights into bf16 targets;
-5. the parameter maps equal the dry-run builder's (``rollout_sync.models.trainer_maps``) where that
-   builder models the configuration.
+5. the dry runs give the same maps from the model config and the layout description alone: the map
+   builders' ``rollout_sync.models.trainer_maps`` (parameters, where it models the configuration) and
+   ``rollout_sync.trainer.dry_run.dry_run_facts`` (every state).
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ from rollout_sync.layout.maps import TensorMap
 from rollout_sync.models import model_tensors, trainer_maps, vllm_target_maps
 from rollout_sync.planning.planner import plan_model
 from rollout_sync.testing.storage import extract
-from rollout_sync.trainer import trainer_storage, trainer_storages
+from rollout_sync.trainer import state_maps, trainer_storage, trainer_storages
+from rollout_sync.trainer.dry_run import dry_run_facts
 from tests.harness.deepspeed_engines import DeepSpeedRank, DeepSpeedSpec, train_step
 
 pytestmark = pytest.mark.deepspeed
@@ -137,14 +139,33 @@ def _check(ctx: DeepSpeedRank) -> dict[str, Any]:
             ),
         )
 
-    # 5. The dry-run builder, where it models this configuration.
+    # 5. The dry runs: the map builders' (parameters, where it models the configuration) and this
+    #    package's (every state), from the model config and the layout description alone.
     dry = _dry_run(ctx)
     if dry is not None:
         live = {m.name: m for m in param.maps}
         differ = sorted(m.name for m in dry if live.get(m.name) != m)
-        if differ:
-            wrong.append(f"dry-run maps differ from the live maps: {differ[:6]}")
+        if differ or len(dry) != len(live):
+            wrong.append(f"trainer_maps dry run differs from the live maps: {differ[:6]}")
+    facts = dry_run_facts(
+        _model(ctx),
+        spec.zero_stage,
+        ctx.world_size // spec.autotp_size,
+        spec.autotp_size,
+        spec.autoep_size,
+        spec.torch_dtype_name,
+        round_robin=_round_robin(spec),
+    )
+    for s in states:
+        if [sm.map for sm in state_maps(facts, s)] != after[s].maps:
+            wrong.append(f"dry_run_facts maps of {s} differ from the live maps")
     return {"wrong": wrong, "log": log, "startup": ctx.startup_s, "dry_run": dry is not None}
+
+
+def _model(ctx: DeepSpeedRank) -> Any:
+    import json
+
+    return model_tensors(json.loads((ctx.model_path / "config.json").read_text()))
 
 
 def _round_robin(spec: DeepSpeedSpec) -> bool:
