@@ -1,0 +1,462 @@
+"""Whole-sync benchmark with real engines: ours against today's practice, in one run, on the same weights.
+
+``python -m rollout_sync.bench sync [--json] [--workdir DIR] [--syncs 3] [--warmup 1] [--rows zero3,zero2]``
+
+Model: Qwen3-0.6B's shapes with random bf16 weights (``rollout_sync.testing.shaped_models``). Trainer:
+DeepSpeed over 2 CPU ranks (``zero3``: ZeRO-3; ``zero2``: ZeRO-2, 2 replicas, balanced policy; SGD, never
+stepped). Rollout: one vLLM CPU engine at TP 2 with ``vllm_plugin.baseline.BenchExtension``. One row at a
+time: each row builds its trainer and its engine and tears both down before the next.
+
+Before every sync the trainer's weights are negated in place (bf16 and fp32 copies alike, exact), so each
+sync moves new values.
+
+- ``ours``: the handshake once (``TrainerSync.attach`` / ``rollout_sync_connect``), then each sync =
+  executing the plan (trainer ranks send their half, workers receive theirs and refresh vLLM's derived
+  copies), then ``reset_prefix_cache``.
+- ``baseline`` (OpenRLHF style): a gloo group of trainer rank 0 and every vLLM worker; per parameter,
+  ``GatheredParameters`` on every trainer rank, rank 0 broadcasts the full tensor, each worker receives it
+  into a fresh buffer and calls ``model.load_weights``; at the end derived copies are rebuilt as ours does,
+  then ``reset_prefix_cache``.
+
+A sync's time is the driver's wall time from starting the trainer command to the cache reset. Each method
+runs ``--warmup`` unmeasured syncs, then ``--syncs`` measured ones; medians are reported. Peak extra memory is
+the kernel's RSS high-water mark (``VmHWM``, reset through ``/proc/self/clear_refs``) minus the RSS just
+before the sync, in every trainer rank and every vLLM worker; the row reports the largest per side, over the
+measured syncs. After each method's last sync the trainer's gathered weights are saved as a checkpoint and
+written into the engine through vLLM's loader maps (``apply_checkpoint``): if no worker's parameter digest
+changes, the engine held exactly the trainer's weights (``bitwise_equal``).
+
+Last line with ``--json``: ``{"rows": [{"trainer", "ours_s", "baseline_s", "ours_trainer_extra_bytes",
+"baseline_trainer_extra_bytes", "ours_rollout_extra_bytes", "baseline_rollout_extra_bytes",
+"ours_bytes_moved", "baseline_bytes_moved", "bitwise_equal", ...}]}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import statistics
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from ..testing.peak_memory import PeakMemory
+from ..testing.rank_pool import RankContext
+
+__all__ = ["assemble_row", "main", "method_summary"]
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+MODEL_KIND = "qwen3-0.6b-shapes"
+EXTENSION = "vllm_plugin.baseline.BenchExtension"
+TOKEN = "bench-sync"
+TRAINERS = 2
+TP = 2
+TRAINER_ENV = {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+BUCKETS = {"reduce_bucket_size": 50_000_000, "allgather_bucket_size": 50_000_000}
+ROWS = ("zero3", "zero2")
+
+
+# ------------------------------------------------------------------------------------------ pure helpers
+
+
+def method_summary(
+    seconds: Sequence[float],
+    trainer: Sequence[Sequence[Mapping[str, Any]]],
+    workers: Sequence[Sequence[Mapping[str, Any]]],
+) -> dict[str, Any]:
+    """One method's figures over its measured syncs: median seconds, largest extra bytes per side, bytes
+    the trainer ranks sent per sync (the same at every sync; the largest is reported)."""
+    if not seconds or len(seconds) != len(trainer) or len(seconds) != len(workers):
+        raise ValueError(
+            f"expected one trainer and one worker report per measured sync, found {len(seconds)} times, "
+            f"{len(trainer)} trainer and {len(workers)} worker reports"
+        )
+    return {
+        "seconds": statistics.median(seconds),
+        "all_seconds": [round(s, 4) for s in seconds],
+        "trainer_extra_bytes": max(int(r["extra_bytes"]) for sync in trainer for r in sync),
+        "rollout_extra_bytes": max(int(r["extra_bytes"]) for sync in workers for r in sync),
+        "bytes_moved": max(sum(int(r["bytes_sent"]) for r in sync) for sync in trainer),
+    }
+
+
+def assemble_row(
+    trainer: str,
+    ours: Mapping[str, Any],
+    baseline: Mapping[str, Any],
+    *,
+    ours_equal: bool,
+    baseline_equal: bool,
+    staging_cap_bytes: int,
+) -> dict[str, Any]:
+    row: dict[str, Any] = {"trainer": trainer}
+    for name, m in (("ours", ours), ("baseline", baseline)):
+        row[f"{name}_s"] = round(float(m["seconds"]), 4)
+        row[f"{name}_trainer_extra_bytes"] = int(m["trainer_extra_bytes"])
+        row[f"{name}_rollout_extra_bytes"] = int(m["rollout_extra_bytes"])
+        row[f"{name}_bytes_moved"] = int(m["bytes_moved"])
+        row[f"{name}_all_s"] = list(m["all_seconds"])
+    row["bitwise_equal"] = bool(ours_equal)
+    row["baseline_bitwise_equal"] = bool(baseline_equal)
+    row["speedup"] = round(row["baseline_s"] / row["ours_s"], 2) if row["ours_s"] > 0 else None
+    row["staging_cap_bytes"] = int(staging_cap_bytes)
+    return row
+
+
+# ------------------------------------------------------------------------------------ trainer commands
+
+
+def _engine(ctx: RankContext) -> Any:
+    return ctx.state["engine"]
+
+
+def perturb(ctx: RankContext) -> None:
+    """Negate every weight this rank stores, low-precision and fp32 copies alike (exact, no memory)."""
+    import torch
+
+    engine = _engine(ctx)
+    with torch.no_grad():
+        for p in engine.module.parameters():
+            (p.ds_tensor if hasattr(p, "ds_tensor") else p.data).neg_()
+        opt = engine.optimizer
+        for attr in ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat"):
+            for t in getattr(opt, attr, None) or []:
+                t.data.neg_()
+
+
+def ours_sync(ctx: RankContext, version: int) -> dict[str, Any]:
+    memory = PeakMemory().start()
+    result = ctx.state["sync"].sync(version)
+    extra = memory.stop()
+    stats = result.stats.to_dict()
+    return {
+        "rank": ctx.rank,
+        "seconds": result.seconds,
+        "extra_bytes": extra,
+        "bytes_sent": sum(int(v) for v in stats["bytes_sent"].values()),
+        "peak_staging_bytes": stats["peak_staging_bytes"],
+        "memory_method": memory.method,
+    }
+
+
+def param_specs(ctx: RankContext) -> list[tuple[str, list[int], str]]:
+    out = []
+    for name, p in _engine(ctx).module.named_parameters():
+        shape = list(p.ds_shape) if hasattr(p, "ds_shape") else list(p.shape)
+        out.append((name, shape, str(p.dtype).removeprefix("torch.")))
+    return out
+
+
+def baseline_connect(ctx: RankContext, host: str, port: int, world_size: int, timeout: float) -> int:
+    from ..transport.groups import connect_store, new_group
+
+    if ctx.rank == 0:
+        store = connect_store(host, port, world_size, is_master=True, timeout=timeout)
+        ctx.state["baseline_group"] = new_group(
+            store, 0, world_size, timeout=timeout, prefix="rollout-sync-baseline"
+        )
+    return ctx.rank
+
+
+def baseline_sync(ctx: RankContext) -> dict[str, Any]:
+    """Per parameter: gather it (every rank), rank 0 broadcasts the full tensor to every vLLM worker."""
+    import deepspeed
+    import torch
+    import torch.distributed as dist
+
+    engine = _engine(ctx)
+    group = ctx.state.get("baseline_group")
+    receivers = group.size() - 1 if group is not None else 0
+    memory = PeakMemory().start()
+    start = time.perf_counter()
+    sent = 0
+    with torch.no_grad():
+        for _, p in engine.module.named_parameters():
+            gather = (
+                deepspeed.zero.GatheredParameters([p]) if hasattr(p, "ds_id") else contextlib.nullcontext()
+            )
+            with gather:
+                if group is not None:
+                    opts = dist.BroadcastOptions()
+                    opts.rootRank = 0
+                    group.broadcast([p.data], opts).wait()
+                    sent += p.data.numel() * p.data.element_size() * receivers
+    return {
+        "rank": ctx.rank,
+        "seconds": time.perf_counter() - start,
+        "extra_bytes": memory.stop(),
+        "bytes_sent": sent,
+        "memory_method": memory.method,
+    }
+
+
+def save_checkpoint(ctx: RankContext, out: str, model_dir: str) -> int:
+    """The trainer's full weights (DeepSpeed's own gathers) as a checkpoint directory; collective."""
+    from safetensors.torch import save_file
+
+    from ..testing.deepspeed import full_parameters
+
+    full = full_parameters(_engine(ctx))
+    if ctx.rank == 0:
+        path = Path(out)
+        if path.exists():
+            shutil.rmtree(path)
+        path.mkdir(parents=True)
+        for f in Path(model_dir).iterdir():
+            if (
+                f.is_file()
+                and not f.name.endswith(".safetensors")
+                and f.name != "model.safetensors.index.json"
+            ):
+                shutil.copy(f, path / f.name)
+        save_file({n: t.contiguous() for n, t in full.items()}, str(path / "model.safetensors"))
+    return len(full)
+
+
+# ----------------------------------------------------------------------------------------- the engine
+
+
+def _descendants() -> set[int]:
+    import psutil
+
+    pids = set()
+    for proc in psutil.Process().children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            if not any(h in " ".join(proc.cmdline()) for h in ("resource_tracker", "forkserver")):
+                pids.add(proc.pid)
+    return pids
+
+
+def start_engine(model: Path) -> tuple[Any, set[int]]:
+    env = {
+        "PYTHONPATH": os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p),
+        "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "0|1"),
+    }
+    os.environ.update(env)
+    from vllm import LLM
+
+    before = _descendants()
+    llm = LLM(
+        model=str(model),
+        tensor_parallel_size=TP,
+        dtype="bfloat16",
+        enforce_eager=True,
+        max_model_len=256,
+        max_num_seqs=8,
+        kv_cache_memory_bytes=64 * 2**20,
+        seed=0,
+        worker_extension_cls=EXTENSION,
+    )
+    return llm, _descendants() - before
+
+
+def stop_engine(llm: Any, pids: set[int]) -> list[int]:
+    """Shut the engine down; kill (by pid) and return any process it started that outlived it."""
+    import psutil
+
+    with contextlib.suppress(Exception):
+        llm.llm_engine.engine_core.shutdown(timeout=60)
+    procs = []
+    for pid in pids:
+        with contextlib.suppress(psutil.Error):
+            procs.append(psutil.Process(pid))
+    _, alive = psutil.wait_procs(procs, timeout=60)
+    for p in alive:
+        with contextlib.suppress(psutil.Error):
+            p.kill()
+    return [p.pid for p in alive]
+
+
+# ---------------------------------------------------------------------------------------------- a row
+
+
+def _log(msg: str) -> None:
+    print(f"[bench sync {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def _digests(llm: Any) -> list[dict[str, str]]:
+    return [dict(d) for d in llm.collective_rpc("rollout_sync_param_digests")]
+
+
+def _check_bitwise(pool: Any, llm: Any, out: Path, model: Path) -> tuple[bool, bool]:
+    """(engine held exactly the trainer's weights, the last sync changed the engine's weights)."""
+    from vllm_plugin.driver import apply_checkpoint
+
+    pool.call(save_checkpoint, str(out), str(model))
+    before = _digests(llm)
+    apply_checkpoint([llm], str(out))
+    after = _digests(llm)
+    shutil.rmtree(out, ignore_errors=True)
+    return before == after, True
+
+
+def _measure(
+    label: str, one_sync: Any, warmup: int, syncs: int, llm: Any, pool: Any
+) -> tuple[dict[str, Any], bool]:
+    seconds: list[float] = []
+    trainer: list[list[dict[str, Any]]] = []
+    workers: list[list[dict[str, Any]]] = []
+    changed = True
+    for i in range(warmup + syncs):
+        pool.call(perturb)
+        before = _digests(llm) if i == warmup + syncs - 1 else None
+        start = time.perf_counter()
+        t, w = one_sync(i)
+        llm.reset_prefix_cache()
+        took = time.perf_counter() - start
+        if before is not None:
+            changed = before != _digests(llm)
+        _log(f"{label} sync {i + 1}/{warmup + syncs}: {took:.2f} s{' (warm-up)' if i < warmup else ''}")
+        if i >= warmup:
+            seconds.append(took)
+            trainer.append(t)
+            workers.append(w)
+    return method_summary(seconds, trainer, workers), changed
+
+
+def run_row(
+    trainer: str,
+    model: Path,
+    workdir: Path,
+    *,
+    warmup: int,
+    syncs: int,
+    timeout: float,
+    staging_cap_bytes: int,
+) -> dict[str, Any]:
+    from vllm_plugin.driver import setup_engines
+
+    from ..testing.deepspeed import DeepSpeedSpec
+    from ..testing.rank_pool import RankPool, free_port
+    from ..testing.trainer_ranks import attach, setup
+
+    stage = {"zero3": 3, "zero2": 2}[trainer]
+    extra = {"zero_optimization": dict(BUCKETS)} if stage == 2 else {}
+    spec = DeepSpeedSpec("dense-tied", zero_stage=stage, optimizer="sgd", extra_config=extra)
+    with RankPool(TRAINERS, env=TRAINER_ENV, timeout=timeout * 4) as pool:
+        start = time.perf_counter()
+        pool.call(setup, spec, str(model))
+        _log(f"{trainer}: DeepSpeed engine built in {time.perf_counter() - start:.1f} s")
+        start = time.perf_counter()
+        llm, pids = start_engine(model)
+        _log(f"{trainer}: vLLM TP-{TP} engine started in {time.perf_counter() - start:.1f} s")
+        try:
+            setup_engines([llm], first_rank=TRAINERS)
+            address = f"tcp://127.0.0.1:{free_port()}"
+            start = time.perf_counter()
+            pending = pool.submit(attach, address, TOKEN, 1, None, "balanced", timeout, staging_cap_bytes)
+            llm.collective_rpc(
+                "rollout_sync_connect",
+                kwargs={
+                    "address": address,
+                    "engine": 0,
+                    "token": TOKEN,
+                    "timeout": timeout,
+                    "staging_cap_bytes": staging_cap_bytes,
+                },
+            )
+            pending.result(timeout * 2)
+            handshake_s = time.perf_counter() - start
+            _log(f"{trainer}: handshake {handshake_s:.2f} s")
+
+            def ours_once(i: int) -> tuple[list[Any], list[Any]]:
+                pending = pool.submit(ours_sync, i + 1)
+                w = llm.collective_rpc("rollout_sync_bench_receive")
+                return pending.result(timeout * 4), w
+
+            ours, ours_changed = _measure(f"{trainer} ours", ours_once, warmup, syncs, llm, pool)
+            ours_equal, _ = _check_bitwise(pool, llm, workdir / f"check-{trainer}-ours", model)
+            _log(f"{trainer} ours: bitwise equal {ours_equal}")
+
+            port = free_port()
+            world = 1 + TP
+            pending = pool.submit(baseline_connect, "127.0.0.1", port, world, timeout)
+            llm.collective_rpc("rollout_sync_baseline_connect", args=("127.0.0.1", port, world, 1, timeout))
+            pending.result(timeout * 2)
+            specs = pool.call(param_specs)[0]
+
+            def baseline_once(i: int) -> tuple[list[Any], list[Any]]:
+                pending = pool.submit(baseline_sync)
+                w = llm.collective_rpc("rollout_sync_baseline_receive", args=(specs,))
+                return pending.result(timeout * 4), w
+
+            baseline, base_changed = _measure(f"{trainer} baseline", baseline_once, warmup, syncs, llm, pool)
+            baseline_equal, _ = _check_bitwise(pool, llm, workdir / f"check-{trainer}-baseline", model)
+            _log(f"{trainer} baseline: bitwise equal {baseline_equal}")
+        finally:
+            leftover = stop_engine(llm, pids)
+            if leftover:
+                _log(f"{trainer}: killed engine processes that outlived shutdown: {leftover}")
+    row = assemble_row(
+        trainer,
+        ours,
+        baseline,
+        ours_equal=ours_equal and ours_changed,
+        baseline_equal=baseline_equal and base_changed,
+        staging_cap_bytes=staging_cap_bytes,
+    )
+    row["handshake_s"] = round(handshake_s, 3)
+    row["last_sync_changed_weights"] = {"ours": ours_changed, "baseline": base_changed}
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m rollout_sync.bench sync", description=__doc__.split("\n")[0]
+    )
+    parser.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    parser.add_argument("--workdir", type=Path, default=Path.home() / ".cache" / "rollout-sync")
+    parser.add_argument("--syncs", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--rows", default=",".join(ROWS), help="comma-separated: zero3, zero2")
+    parser.add_argument("--timeout", type=float, default=300.0)
+    parser.add_argument("--cap-mib", type=int, default=64, help="staging cap of ours, MiB")
+    args = parser.parse_args(argv)
+    rows_wanted = [r for r in args.rows.split(",") if r]
+    unknown = [r for r in rows_wanted if r not in ROWS]
+    if unknown or not rows_wanted:
+        parser.error(f"--rows takes {ROWS}, found {args.rows!r}")
+    if args.syncs < 1 or args.warmup < 0:
+        parser.error("--syncs must be >= 1 and --warmup >= 0")
+    os.environ["DS_ACCELERATOR"] = "cpu"
+    from ..testing.shaped_models import make_shaped_model
+
+    start = time.perf_counter()
+    model = make_shaped_model(MODEL_KIND, args.workdir / MODEL_KIND)
+    _log(f"model {model} ready in {time.perf_counter() - start:.1f} s")
+    rows = []
+    for trainer in rows_wanted:
+        rows.append(
+            run_row(
+                trainer,
+                model,
+                args.workdir,
+                warmup=args.warmup,
+                syncs=args.syncs,
+                timeout=args.timeout,
+                staging_cap_bytes=args.cap_mib << 20,
+            )
+        )
+    print(
+        f"{'trainer':8} {'ours s':>8} {'base s':>8} {'x':>6} {'ours tr MB':>11} {'base tr MB':>11} "
+        f"{'ours ro MB':>11} {'base ro MB':>11} {'bitwise':>8}"
+    )
+    for r in rows:
+        print(
+            f"{r['trainer']:8} {r['ours_s']:8.2f} {r['baseline_s']:8.2f} {r['speedup'] or 0:6.2f} "
+            f"{r['ours_trainer_extra_bytes'] / 1e6:11.1f} {r['baseline_trainer_extra_bytes'] / 1e6:11.1f} "
+            f"{r['ours_rollout_extra_bytes'] / 1e6:11.1f} {r['baseline_rollout_extra_bytes'] / 1e6:11.1f} "
+            f"{r['bitwise_equal']!s:>8}"
+        )
+    if args.json:
+        print(json.dumps({"rows": rows}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

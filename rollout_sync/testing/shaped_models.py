@@ -1,0 +1,88 @@
+"""Checkpoints with a published model's shapes and locally drawn random weights (no download), for
+benchmarks at a realistic size.
+
+``make_shaped_model("qwen3-0.6b-shapes", path)`` writes Qwen3-0.6B's architecture (28 layers, hidden 1024,
+16 heads, 8 KV heads, head_dim 128, intermediate 3072, vocab 151936, tied embeddings), bf16, weights from a
+seeded generator (matrices N(0, 0.02), norms 1 + N(0, 0.1)), and a word-level tokenizer like
+``tiny_models`` builds. A stamped build is reused; a build goes to a temporary sibling that is renamed into
+place.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from .tiny_models import TinyModelSpec, _hf_config, _save_tokenizer
+
+__all__ = ["SHAPED_KINDS", "make_shaped_model", "shaped_spec"]
+
+SHAPED_KINDS = ("qwen3-0.6b-shapes",)
+_STAMP = "rollout_sync_shaped.json"
+_RECIPE_VERSION = 1
+
+
+def shaped_spec(kind: str) -> TinyModelSpec:
+    if kind != "qwen3-0.6b-shapes":
+        raise ValueError(f"unknown shaped model kind {kind!r}: expected one of {SHAPED_KINDS}")
+    return TinyModelSpec(
+        kind="dense-tied",
+        vocab_size=151936,
+        hidden_size=1024,
+        num_hidden_layers=28,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+        intermediate_size=3072,
+        tie_word_embeddings=True,
+        max_position_embeddings=4096,
+    )
+
+
+def make_shaped_model(kind: str, path: str | os.PathLike[str], seed: int = 0) -> Path:
+    spec = shaped_spec(kind)
+    target = Path(path)
+    stamp: dict[str, Any] = {"kind": kind, "seed": seed, "recipe_version": _RECIPE_VERSION}
+    try:
+        if json.loads((target / _STAMP).read_text()) == stamp:
+            return target
+    except (OSError, ValueError):
+        if target.exists() and any(target.iterdir()):
+            raise FileExistsError(
+                f"{target} is not empty and holds no {_STAMP}; refusing to overwrite it"
+            ) from None
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+        _build(spec, seed, staging)
+        (staging / _STAMP).write_text(json.dumps(stamp))
+        if target.exists():
+            shutil.rmtree(target)
+        os.replace(staging, target)
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def _build(spec: TinyModelSpec, seed: int, out: Path) -> None:
+    import torch
+    from transformers import Qwen3ForCausalLM
+
+    config = _hf_config(spec)
+    config.dtype = "bfloat16"
+    with torch.device("cpu"):
+        model = Qwen3ForCausalLM(config).to(torch.bfloat16)  # type: ignore[arg-type]
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            draw = torch.randn(param.shape, generator=gen, dtype=torch.float32)
+            param.copy_(1.0 + 0.1 * draw if name.endswith("norm.weight") else 0.02 * draw)
+            del draw
+    model.config.dtype = "bfloat16"
+    model.save_pretrained(out)
+    _save_tokenizer(spec, out)

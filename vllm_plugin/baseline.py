@@ -1,0 +1,91 @@
+"""The baseline sync most DeepSpeed RL pipelines use today (OpenRLHF style), on the vLLM side, for the
+``sync`` benchmark: one gloo group spans trainer rank 0 (group rank 0) and every vLLM worker; for each
+parameter in turn, trainer rank 0 broadcasts the full tensor and each worker receives it into a fresh buffer
+and hands it to ``model.load_weights``. At the end the derived copies are rebuilt the way our receive does.
+
+``BenchExtension`` is ``RolloutSyncExtension`` plus the baseline's two methods and a receive of ours wrapped
+in the same peak-memory measurement (``rollout_sync.testing.peak_memory``), so that both methods are measured
+alike inside the worker. Start the engine with
+``worker_extension_cls="vllm_plugin.baseline.BenchExtension"``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from rollout_sync.errors import IncompleteUpdateError
+from rollout_sync.testing.peak_memory import PeakMemory
+
+from .extension import RolloutSyncExtension
+
+__all__ = ["BenchExtension"]
+
+_DTYPES = ("bfloat16", "float16", "float32")
+
+
+class BenchExtension(RolloutSyncExtension):
+    rollout_sync_baseline_group: Any = None
+
+    def rollout_sync_baseline_connect(
+        self, host: str, port: int, world_size: int, first_rank: int, timeout: float = 300.0
+    ) -> int:
+        """Join the baseline's group as rank ``first_rank + tp_rank``; returns that rank."""
+        from vllm.distributed.parallel_state import get_tp_group
+
+        from rollout_sync.transport.groups import connect_store, new_group
+
+        rank = first_rank + get_tp_group().rank_in_group
+        store = connect_store(host, port, world_size, is_master=False, timeout=timeout)
+        self.rollout_sync_baseline_group = new_group(
+            store, rank, world_size, timeout=timeout, prefix="rollout-sync-baseline"
+        )
+        return rank
+
+    def rollout_sync_baseline_receive(
+        self, tensors: Sequence[tuple[str, Sequence[int], str]]
+    ) -> dict[str, Any]:
+        """Receive every ``(name, shape, dtype)`` from group rank 0 in order and load it through vLLM's own
+        ``load_weights``; then rebuild derived copies. Returns seconds, received bytes and peak extra RSS."""
+        import torch
+        import torch.distributed as dist
+
+        group = self.rollout_sync_baseline_group
+        if group is None:
+            raise IncompleteUpdateError("rollout_sync_baseline_connect has not run on this worker")
+        worker = self.rollout_sync_get()
+        model = self.model_runner.model  # type: ignore[attr-defined]
+        memory = PeakMemory().start()
+        start = time.perf_counter()
+        received = 0
+        for name, shape, dtype in tensors:
+            if dtype not in _DTYPES:
+                raise ValueError(f"{name}: dtype {dtype!r} is not one of {_DTYPES}")
+            buf = torch.empty(tuple(shape), dtype=getattr(torch, dtype))
+            opts = dist.BroadcastOptions()
+            opts.rootRank = 0
+            group.broadcast([buf], opts).wait()
+            with torch.no_grad():
+                model.load_weights([(name, buf)])
+            received += buf.numel() * buf.element_size()
+            del buf
+        refreshed = []
+        for copy in worker.derived:
+            copy.refresh()
+            refreshed.append(copy.name)
+        seconds = time.perf_counter() - start
+        return {
+            "rank": worker.rank,
+            "seconds": seconds,
+            "bytes_received": received,
+            "extra_bytes": memory.stop(),
+            "memory_method": memory.method,
+            "refreshed": refreshed,
+        }
+
+    def rollout_sync_bench_receive(self) -> dict[str, Any]:
+        """``rollout_sync_receive`` (ours: receive the half, refresh derived copies) with peak extra RSS."""
+        memory = PeakMemory().start()
+        report = self.rollout_sync_receive()
+        return {**report, "extra_bytes": memory.stop(), "memory_method": memory.method}
