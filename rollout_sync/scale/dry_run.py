@@ -117,7 +117,27 @@ def dry_run(config: DryRunConfig) -> dict[str, Any]:
         lambda: build_maps(model, trainer, rollout, config.dtype)
     )
     gc.collect()
-    gc.freeze()
+    gc.freeze()  # the maps live as long as the plan: keep the collector from rescanning them
+    try:
+        return _plan_and_measure(
+            config, label, model, policy, topology, sources, targets, maps_cpu, maps_wall
+        )
+    finally:
+        gc.unfreeze()
+
+
+def _plan_and_measure(
+    config: DryRunConfig,
+    label: str,
+    model: ModelTensors,
+    policy: ReplicaPolicy,
+    topology: Topology,
+    sources: list[TensorMap],
+    targets: list[TensorMap],
+    maps_cpu: float,
+    maps_wall: float,
+) -> dict[str, Any]:
+    trainer, rollout = config.trainer, config.rollout
     plan_cpu, plan_wall, plan = _timed(lambda: plan_model_by_layout(sources, targets, policy))
 
     traffic = plan_traffic(plan, topology)
