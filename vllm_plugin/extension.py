@@ -122,6 +122,27 @@ class RolloutSyncExtension:
             raise IncompleteUpdateError("rollout_sync_connect has not run on this worker")
         return receive(self.rollout_sync_get(), self.rollout_sync_link)
 
+    def rollout_sync_call(
+        self,
+        method: str,
+        nonce: str,
+        kwargs: Mapping[str, Any] | None = None,
+        args: Sequence[Any] = (),
+    ) -> dict[str, Any]:
+        """Run ``rollout_sync_<method>(*args, **kwargs)`` and return ``{"nonce": nonce, "result": ...}``. The driver
+        sends a fresh nonce per call and checks it (``vllm_plugin.http_driver``): vLLM at TP > 1 once
+        answered a call with the previous call's error, so no result is trusted without its own nonce. An
+        error is returned (with the nonce), not raised, so the driver sees which call failed and why."""
+        if not method.isidentifier() or method in {"call", "get"}:
+            return {"nonce": nonce, "error": f"unknown rollout_sync method {method!r}"}
+        target = getattr(self, f"rollout_sync_{method}", None)
+        if not callable(target):
+            return {"nonce": nonce, "error": f"unknown rollout_sync method {method!r}"}
+        try:
+            return {"nonce": nonce, "result": target(*args, **dict(kwargs or {}))}
+        except Exception as exc:  # reported to the driver, which raises with the cause
+            return {"nonce": nonce, "error": f"{type(exc).__name__}: {exc}"}
+
     def rollout_sync_status(self) -> dict[str, Any]:
         """The link's state: global rank, last complete version, whether the last sync was incomplete."""
         link = self.rollout_sync_link

@@ -1,0 +1,128 @@
+"""Real ``vllm serve`` servers on loopback for tests, started through ``python -m rollout_sync.serve``.
+
+Each server runs in its own session (process group), so that stopping it ends its engine core and workers
+too; ``stop`` waits for the group to be gone and kills it by id if it is not.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+from rollout_sync.testing.rank_pool import free_port
+from tests.harness.vllm_engines import REPO_ROOT, omp_threads_bind
+from vllm_plugin.http_driver import ServerEngine
+
+EXTENSION = "vllm_plugin.extension.RolloutSyncExtension"
+
+
+def serve_command(model: Path | str, port: int, tp: int = 1) -> list[str]:
+    """The exact command the README documents (plus the test's small-memory settings)."""
+    return [
+        sys.executable,
+        "-m",
+        "rollout_sync.serve",
+        "serve",
+        str(model),
+        "--worker-extension-cls",
+        EXTENSION,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--tensor-parallel-size",
+        str(tp),
+        "--dtype",
+        "bfloat16",
+        "--enforce-eager",
+        "--max-model-len",
+        "256",
+        "--max-num-seqs",
+        "8",
+        "--kv-cache-memory-bytes",
+        str(64 * 2**20),
+        "--seed",
+        "0",
+    ]
+
+
+@dataclass
+class Server:
+    engine: ServerEngine
+    proc: subprocess.Popen[bytes]
+    log: Path
+    log_file: IO[Any]
+
+    def stop(self, timeout: float = 30.0) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+        deadline = time.monotonic() + timeout
+        while _group_alive(self.proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        if _group_alive(self.proc.pid):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.log_file.close()
+
+    def kill(self) -> None:
+        """Kill the server and every process of its group at once (fault tests)."""
+        os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(10)
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def launch(model: Path | str, log_dir: Path, name: str, tp: int = 1) -> Server:
+    port = free_port()
+    env = dict(os.environ)
+    env["VLLM_SERVER_DEV_MODE"] = "1"
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
+    if tp > 1:
+        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", omp_threads_bind(tp))
+    log = log_dir / f"{name}.log"
+    log_file = open(log, "wb")  # noqa: SIM115 - closed by Server.stop
+    proc = subprocess.Popen(
+        serve_command(model, port, tp),
+        env=env,
+        stdout=log_file,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        cwd=REPO_ROOT,
+    )
+    return Server(ServerEngine(f"http://127.0.0.1:{port}", name=name, timeout=60.0), proc, log, log_file)
+
+
+def wait_all(servers: list[Server], timeout: float = 300.0) -> list[float]:
+    """Wait until every server answers ``/health``; a server that exits first fails with its log's tail."""
+    start = time.monotonic()
+    waited = []
+    for server in servers:
+        while True:
+            if server.proc.poll() is not None:
+                tail = server.log.read_text(errors="replace")[-3000:]
+                raise RuntimeError(f"server {server.engine.name} exited ({server.proc.returncode}):\n{tail}")
+            try:
+                server.engine.request("/health", timeout=5.0)
+                break
+            except Exception:
+                if time.monotonic() - start > timeout:
+                    raise
+                time.sleep(1.0)
+        waited.append(time.monotonic() - start)
+    return waited

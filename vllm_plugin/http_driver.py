@@ -1,0 +1,165 @@
+"""Drive a ``vllm serve`` server that runs ``RolloutSyncExtension`` over its own HTTP routes.
+
+The server must run with ``VLLM_SERVER_DEV_MODE=1`` (vLLM 0.32 exposes ``/collective_rpc``, ``/pause``,
+``/resume`` and ``/update_weight_version`` only then). Every rollout-sync call goes through
+``/collective_rpc`` as ``rollout_sync_call`` with a fresh nonce, and every worker's answer must carry that
+nonce: a stale answer (vLLM at TP > 1 once returned the previous call's error to the next call) raises
+``PeerFailedError`` instead of being trusted.
+
+``ServerEngine`` has ``collective_rpc(method, args, kwargs)``, so ``vllm_plugin.driver.setup_engines``
+accepts it like an offline ``vllm.LLM``. A sync is ``pause`` (clears the prefix cache), ``receive`` on
+every worker, ``resume``; only a sync every worker completed moves the server's weight version. A failed
+sync resumes the server (it keeps serving, its workers report ``incomplete``) and raises naming the engine.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.error
+import urllib.request
+import uuid
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from rollout_sync.errors import PeerFailedError, SyncTimeoutError
+
+__all__ = ["ServerEngine", "check_answers"]
+
+_PREFIX = "rollout_sync_"
+
+
+def check_answers(engine: str, method: str, nonce: str, answers: Any) -> list[Any]:
+    """The per-worker results of one ``rollout_sync_call``; raises ``PeerFailedError`` naming the engine
+    when an answer is missing, carries another call's nonce, or reports an error."""
+    if not isinstance(answers, list) or not answers:
+        raise PeerFailedError(f"engine {engine}: {method}: expected one answer per worker, got {answers!r}")
+    results = []
+    for worker, answer in enumerate(answers):
+        if not isinstance(answer, dict) or answer.get("nonce") != nonce:
+            found = answer.get("nonce") if isinstance(answer, dict) else answer
+            raise PeerFailedError(
+                f"engine {engine} worker {worker}: {method}: stale or foreign answer "
+                f"(expected nonce {nonce}, found {found!r})"
+            )
+        if "error" in answer:
+            raise PeerFailedError(f"engine {engine} worker {worker}: {method} failed: {answer['error']}")
+        results.append(answer.get("result"))
+    return results
+
+
+class ServerEngine:
+    """One ``vllm serve`` server at ``url`` (``http://127.0.0.1:8000``), named ``name`` in errors."""
+
+    def __init__(self, url: str, name: str | None = None, timeout: float = 120.0) -> None:
+        self.url = url.rstrip("/")
+        self.name = name or self.url
+        self.timeout = timeout
+
+    # -- HTTP ---------------------------------------------------------------------------------------
+    def request(self, path: str, body: Any = None, timeout: float | None = None) -> Any:
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(
+            self.url + path,
+            data=data,
+            method="GET" if data is None else "POST",
+            headers={"Content-Type": "application/json"},
+        )
+        limit = self.timeout if timeout is None else timeout
+        try:
+            with urllib.request.urlopen(req, timeout=limit) as resp:
+                raw = resp.read()
+        except urllib.error.HTTPError as exc:
+            detail = exc.read().decode(errors="replace")[:2000]
+            raise PeerFailedError(f"engine {self.name}: {path} returned {exc.code}: {detail}") from exc
+        except TimeoutError as exc:
+            raise SyncTimeoutError(f"engine {self.name}: {path} gave no answer within {limit} s") from exc
+        except (urllib.error.URLError, ConnectionError) as exc:
+            raise PeerFailedError(f"engine {self.name}: {path} unreachable: {exc}") from exc
+        return json.loads(raw) if raw else None
+
+    def wait_ready(self, timeout: float) -> float:
+        """Poll ``/health`` until it answers; returns the seconds waited."""
+        start = time.monotonic()
+        while True:
+            try:
+                self.request("/health", timeout=5.0)
+                return time.monotonic() - start
+            except (PeerFailedError, SyncTimeoutError) as exc:
+                if time.monotonic() - start > timeout:
+                    raise SyncTimeoutError(f"engine {self.name} not ready after {timeout} s: {exc}") from exc
+                time.sleep(1.0)
+
+    # -- rollout-sync calls ---------------------------------------------------------------------------
+    def call(
+        self,
+        method: str,
+        kwargs: Mapping[str, Any] | None = None,
+        args: Sequence[Any] = (),
+        timeout: float | None = None,
+    ) -> list[Any]:
+        """``rollout_sync_<method>`` on every worker, with a fresh nonce checked on every answer."""
+        nonce = uuid.uuid4().hex
+        limit = self.timeout if timeout is None else timeout
+        body = {
+            "method": "rollout_sync_call",
+            "kwargs": {"method": method, "nonce": nonce, "kwargs": dict(kwargs or {}), "args": list(args)},
+            "timeout": limit,
+        }
+        got = self.request("/collective_rpc", body, timeout=limit + 10.0)
+        answers = got.get("results") if isinstance(got, dict) else got
+        return check_answers(self.name, method, nonce, answers)
+
+    def collective_rpc(
+        self, method: str, args: Sequence[Any] = (), kwargs: Mapping[str, Any] | None = None
+    ) -> list[Any]:
+        """``vllm.LLM.collective_rpc``'s shape for ``rollout_sync_*`` methods (``driver.setup_engines``)."""
+        if not method.startswith(_PREFIX):
+            raise ValueError(f"engine {self.name}: only rollout_sync_* methods go over HTTP, not {method!r}")
+        return self.call(method[len(_PREFIX) :], kwargs, args)
+
+    def connect(self, address: str, engine: int, token: str | None, timeout: float = 120.0) -> list[Any]:
+        """Join the sync group (blocks until the trainer has joined: run it in a thread)."""
+        return self.call(
+            "connect",
+            {"address": address, "engine": engine, "token": token, "timeout": timeout},
+            timeout=timeout + 10.0,
+        )
+
+    def receive(self, timeout: float | None = None) -> list[dict[str, Any]]:
+        """One sync into a paused server (``pause`` clears the prefix cache), resumed afterwards whether it
+        succeeded or not. On success the server's weight version becomes the received version; on failure
+        it keeps its old version, its workers report ``incomplete``, and ``PeerFailedError`` names it."""
+        self.request("/pause", {})
+        try:
+            reports = self.call("receive", timeout=timeout)
+        finally:
+            self.request("/resume", {})
+        versions = {r["version"] for r in reports}
+        if len(versions) != 1 or any(r["incomplete"] for r in reports):
+            raise PeerFailedError(f"engine {self.name}: workers disagree after a sync: {reports}")
+        self.request("/update_weight_version", {"new_version": str(versions.pop())})
+        return list(reports)
+
+    def status(self) -> list[dict[str, Any]]:
+        return self.call("status")
+
+    def weight_version(self) -> str:
+        return str(self.request("/weight_info")["weight_version"])
+
+    def complete_greedy(self, prompts: Sequence[Sequence[int]], max_tokens: int = 8) -> list[list[int]]:
+        """Greedy token ids for token-id prompts through ``/v1/completions``."""
+        out = []
+        for prompt in prompts:
+            got = self.request(
+                "/v1/completions",
+                {
+                    "prompt": list(prompt),
+                    "max_tokens": max_tokens,
+                    "temperature": 0,
+                    "ignore_eos": True,
+                    "return_token_ids": True,
+                },
+            )
+            out.append([int(t) for t in got["choices"][0]["token_ids"]])
+        return out
