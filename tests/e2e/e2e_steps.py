@@ -3,7 +3,6 @@ the handshake, synced after every optimizer step, and checked against the traine
 
 from __future__ import annotations
 
-import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,22 +22,12 @@ TRAINER_ENV = {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
 def save_checkpoint(ctx: RankContext, out: str, model_dir: str) -> list[str]:
     """What ``save_pretrained`` writes, from DeepSpeed's own gathers (no rollout-sync map involved): every
     logical tensor under its checkpoint name, plus the model's config and tokenizer files. Collective."""
-    from safetensors.torch import save_file
+    from rollout_sync.testing.checkpoints import full_logical_tensors
+    from rollout_sync.testing.checkpoints import save_checkpoint as write
 
-    from tests.deepspeed.trainer_helpers import full_tensors
-
-    full = full_tensors(ctx.state["engine"], "param")
+    full = full_logical_tensors(ctx.state["engine"])
     if ctx.rank == 0:
-        path = Path(out)
-        path.mkdir(parents=True, exist_ok=True)
-        for f in Path(model_dir).iterdir():
-            if (
-                f.is_file()
-                and not f.name.endswith(".safetensors")
-                and f.name != "model.safetensors.index.json"
-            ):
-                shutil.copy(f, path / f.name)
-        save_file({n: t.contiguous() for n, t in full.items()}, str(path / "model.safetensors"))
+        write(full, model_dir, out)
     return sorted(full)
 
 

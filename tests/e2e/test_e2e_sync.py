@@ -25,6 +25,19 @@ def _check_against_fresh(vllm_pool: Any, run: Any, tp: int = 2) -> None:
     assert differing_params(last.synced, fresh) == []
 
 
+def test_zero2_replicas_sync_with_the_balanced_policy_spreading_sends_over_both_trainer_ranks(
+    tiny_model: Any, vllm_pool: Any, tmp_path: Path
+):
+    model = tiny_model("dense")
+    engine = vllm_pool.get(vllm_spec(model, 2, worker_extension_cls=EXTENSION))
+    run = run_sync_steps(engine, DeepSpeedSpec("dense", 2), model, tmp_path, policy="balanced")
+    check_steps(run)
+    sent = [sum(t["sync"]["stats"]["bytes_sent"].values()) for t in run.steps[-1].trainer]
+    assert min(sent) > 0.3 * max(sent), (
+        f"balanced policy left a replica idle: bytes sent per trainer rank {sent}"
+    )
+
+
 def test_zero3_on_two_ranks_syncs_into_a_tp2_engine_after_every_step(
     tiny_model: Any, vllm_pool: Any, tmp_path: Path
 ):
@@ -35,5 +48,18 @@ def test_zero3_on_two_ranks_syncs_into_a_tp2_engine_after_every_step(
     finally:
         vllm_pool.discard(engine)
     assert run.ranks == [0, 1]
+    check_steps(run)
+    _check_against_fresh(vllm_pool, run)
+
+
+def test_autoep2_experts_sync_into_a_tp2_moe_engine_after_every_step(
+    tiny_model: Any, vllm_pool: Any, tmp_path: Path
+):
+    model = tiny_model("moe")
+    engine = vllm_pool.get(vllm_spec(model, 2, worker_extension_cls=EXTENSION))
+    try:
+        run = run_sync_steps(engine, DeepSpeedSpec("moe", 3, autoep_size=2), model, tmp_path)
+    finally:
+        vllm_pool.discard(engine)
     check_steps(run)
     _check_against_fresh(vllm_pool, run)
