@@ -6,6 +6,11 @@
 Every rank may call these alone (no collective). Every rank gets the same maps (they describe all ranks);
 ``sources`` holds this rank's views keyed by logical name. Call again after anything that replaces
 DeepSpeed's buffers (loading a checkpoint, re-initializing the engine); an optimizer step keeps them.
+
+Reading (training to rollout) the ``param`` views gives what the next forward reads. Writing into a training
+engine (restoring, resharding) must write ``fp32`` (and the Adam states): on a training engine the
+low-precision parameters are derived from the master weights at every step, so a write to ``param`` alone
+lasts only until the next step.
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ the view.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import pairwise
 from math import prod
 
@@ -249,17 +249,32 @@ def state_maps(facts: TrainerFacts, state: str) -> list[StorageMap]:
         dtype = facts.master_dtype
     out: list[StorageMap] = []
     seen: set[str] = set()
+    # Parameters with the same geometry (the layers of a model) give the same storages: nest once, reuse.
+    cache: dict[object, StorageMap] = {}
     for pf in facts.params:
         if state != "param" and not pf.trainable:
             continue  # a frozen parameter has no master weights or optimizer states
         storages = shard_storages(pf, facts.stage, state)
+        geometry = (pf.shape, tuple(sorted(pf.placement.shards.items())), tuple(sorted(storages.items())))
         for part in pf.parts:
             if part.name in seen:
                 raise LayoutError(
                     "two parameters claim one logical tensor", tensor=part.name, found=f"again in {pf.name!r}"
                 )
             seen.add(part.name)
+            key = (geometry, part.shape, part.origin, part.extent)
+            hit = cache.get(key)
+            if hit is not None:
+                out.append(
+                    StorageMap(
+                        TensorMap(part.name, part.shape, dtype, hit.map.ranks),
+                        {r: replace(run, param=pf.name) for r, run in hit.local.items()},
+                    )
+                )
+                continue
             layout, part_storages, local = part_layout(pf, part, storages)
             tmap = nest(layout, part_storages, dtype=dtype)
-            out.append(StorageMap(tmap, {r: local[r] for r in tmap.ranks}))
+            sm = StorageMap(tmap, {r: local[r] for r in tmap.ranks})
+            cache[key] = sm
+            out.append(sm)
     return out
