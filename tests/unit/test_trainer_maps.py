@@ -443,3 +443,15 @@ def test_a_dry_run_of_a_tied_embedding_under_autotp_splits_it_like_lm_head() -> 
         "[0:500, 0:128]",
         "[500:1000, 0:128]",
     ]
+
+
+def test_a_frozen_parameter_has_a_parameter_map_but_no_optimizer_state_maps() -> None:
+    frozen = ParamFacts(
+        "f", (4,), single_layout("f", (4,)), {0: ZeroGroup((0, 1))}, plain_parts("f", (4,)), trainable=False
+    )
+    trained = ParamFacts(
+        "t", (4,), single_layout("t", (4,)), {0: ZeroGroup((0, 1), 0, 4)}, plain_parts("t", (4,))
+    )
+    facts = TrainerFacts(2, "bfloat16", "float32", (frozen, trained))
+    assert [sm.map.name for sm in state_maps(facts, "param")] == ["f", "t"]
+    assert [sm.map.name for sm in state_maps(facts, "exp_avg")] == ["t"]
