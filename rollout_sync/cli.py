@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import sys
+import traceback
 from collections.abc import Sequence
 from typing import Any
 
@@ -117,6 +118,10 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+class _ChildBug(Exception):
+    """An unexpected exception in a dry-run child process; its text is the child's traceback."""
+
+
 def _child(config: DryRunConfig, conn: Any) -> None:
     from .scale.dry_run import dry_run
 
@@ -124,8 +129,8 @@ def _child(config: DryRunConfig, conn: Any) -> None:
         conn.send(("ok", dry_run(config)))
     except RolloutSyncError as exc:
         conn.send(("error", str(exc)))
-    except Exception as exc:  # a bug: report it as one line too, with its type
-        conn.send(("error", f"{type(exc).__name__}: {exc}"))
+    except Exception:  # a bug, not a bad layout: the parent shows the whole traceback
+        conn.send(("bug", traceback.format_exc()))
     finally:
         conn.close()
 
@@ -148,6 +153,8 @@ def _run(config: DryRunConfig, in_process: bool) -> dict[str, Any]:
             f"the dry run of policy {config.policy!r} died (exit code {proc.exitcode}; out of memory?)"
         ) from None
     proc.join()
+    if status == "bug":
+        raise _ChildBug(str(payload))
     if status != "ok":
         raise RolloutSyncError(str(payload))
     result: dict[str, Any] = payload
@@ -187,6 +194,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except RolloutSyncError as exc:
         print(f"rollout-sync plan: error: {exc}", file=sys.stderr)
         return 2
+    except _ChildBug as bug:
+        print(f"rollout-sync plan: internal error in a dry-run process:\n{bug}", file=sys.stderr)
+        return 1
     return 0
 
 
