@@ -52,6 +52,7 @@ __all__ = [
     "Traffic",
     "lower_bound",
     "modeled_seconds",
+    "needed_bytes",
     "plan_traffic",
 ]
 
