@@ -1,0 +1,249 @@
+"""Real ``vllm serve`` servers on loopback (launched with ``python -m rollout_sync.serve``), synced from a
+2-rank ZeRO-3 DeepSpeed trainer through the servers' own HTTP routes (``/collective_rpc``, ``/pause``,
+``/resume``, ``/update_weight_version``) and the ZeroMQ handshake.
+
+Two servers (engines 0 and 1, TP 1 each) are targets of one plan and one sync; afterwards both equal a fresh
+server loaded from the trainer's saved checkpoint, tokens over HTTP and every parameter bit for bit. Then
+the failures: a stale RPC answer is refused; a trainer rank killed mid-sync makes every worker fail in time,
+each server keeps serving without claiming the version, and a restarted trainer repairs it; a server killed
+mid-sync makes the trainer raise in time, and a restarted server rejoins through a new handshake without a
+trainer restart. The servers are shared by the module (start-up dominates: 40-140 s each here)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from rollout_sync.errors import PeerFailedError, SyncTimeoutError
+from rollout_sync.testing.deepspeed import DeepSpeedSpec
+from rollout_sync.testing.rank_pool import RankContext, RankError, RankPool, free_port
+from rollout_sync.testing.trainer_ranks import attach, setup, train_step
+from tests.e2e.e2e_steps import TRAINER_ENV, save_checkpoint
+from tests.harness.vllm_engines import DEFAULT_PROMPTS
+from tests.serve.servers import Server, launch, wait_all
+from vllm_plugin.driver import apply_checkpoint, setup_engines
+from vllm_plugin.http_driver import ServerEngine, check_answers
+
+pytestmark = [pytest.mark.vllm, pytest.mark.deepspeed]
+
+TOKEN = "serve-token"
+TRAINERS = 2
+SYNC_TIMEOUT = 20.0  # the sync group's timeout: every failure below must surface within it (plus slack)
+BOUND = 50.0  # no failure may take longer than this to surface
+
+
+def reattach(ctx: RankContext, address: str, engines: int, timeout: float) -> int:
+    """Drop the current sync (if any) and attach again through a new handshake (trainer not restarted)."""
+    old = ctx.state.pop("sync", None)
+    if old is not None:
+        old.detach()
+    return attach(ctx, address, TOKEN, engines, 1, "balanced", timeout)
+
+
+class Trainer:
+    """A 2-rank ZeRO-3 trainer in a rank pool, restartable (fault tests kill it)."""
+
+    def __init__(self, model: Path) -> None:
+        self.model = model
+        self.pool: RankPool | None = None
+        self.step = 0
+
+    def start(self) -> None:
+        self.pool = RankPool(TRAINERS, env=TRAINER_ENV, timeout=600)
+        self.pool.call(setup, DeepSpeedSpec("dense", 3), str(self.model))
+        self.step = 0
+
+    def stop(self) -> None:
+        if self.pool is not None:
+            self.pool.close(kill=True)
+            self.pool = None
+
+    def live(self) -> RankPool:
+        if self.pool is None:
+            raise RuntimeError("the trainer is not running")
+        return self.pool
+
+
+def handshake(trainer: Trainer, engines: list[ServerEngine]) -> list[int]:
+    """A new handshake: probe each server's workers, then trainer ranks and workers join a new group."""
+    setup_engines(engines, first_rank=TRAINERS)
+    address = f"tcp://127.0.0.1:{free_port()}"
+    pending = trainer.live().submit(reattach, address, len(engines), SYNC_TIMEOUT)
+    with ThreadPoolExecutor(len(engines)) as pool:
+        joins = [pool.submit(e.connect, address, k, TOKEN, SYNC_TIMEOUT) for k, e in enumerate(engines)]
+        for j in joins:
+            j.result(SYNC_TIMEOUT * 3)
+    return pending.result(SYNC_TIMEOUT * 3)
+
+
+def step_and_receive(
+    trainer: Trainer, engines: list[ServerEngine], on_start: Callable[[], None] | None = None
+) -> tuple[Any, list[Future[list[dict[str, Any]]]]]:
+    """One optimizer step (the hook syncs) while every server receives; returns the trainer's pending
+    result and each server's receive future (not yet waited for)."""
+    trainer.step += 1
+    pool = ThreadPoolExecutor(len(engines))
+    receives = [pool.submit(e.receive, SYNC_TIMEOUT * 2) for e in engines]
+    pending = trainer.live().submit(train_step, trainer.step)
+    if on_start is not None:
+        on_start()
+    pool.shutdown(wait=False)
+    return pending, receives
+
+
+def digests(engine: ServerEngine) -> list[dict[str, str]]:
+    return engine.call("param_digests")
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from rollout_sync.testing.tiny_models import make_tiny_model
+
+    return make_tiny_model("dense", tmp_path_factory.mktemp("serve_model") / "dense-seed0", 0)
+
+
+@pytest.fixture(scope="module")
+def logs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("serve_logs")
+
+
+@pytest.fixture(scope="module")
+def servers(model: Path, logs: Path) -> Iterator[list[Server]]:
+    started = [launch(model, logs, "engine0"), launch(model, logs, "engine1")]
+    try:
+        wait_all(started, timeout=400)
+        yield started
+    finally:
+        for s in started:
+            s.stop()
+
+
+@pytest.fixture(scope="module")
+def trainer(model: Path, servers: list[Server]) -> Iterator[Trainer]:
+    t = Trainer(model)
+    t.start()
+    try:
+        handshake(t, [s.engine for s in servers])
+        yield t
+    finally:
+        t.stop()
+
+
+def test_two_served_engines_synced_in_one_step_equal_a_fresh_server_loaded_from_the_checkpoint(
+    servers: list[Server], trainer: Trainer, model: Path, logs: Path, tmp_path: Path
+) -> None:
+    engines = [s.engine for s in servers]
+    pending, receives = step_and_receive(trainer, engines)
+    reports = [r.result(SYNC_TIMEOUT * 3) for r in receives]
+    trainer_side = pending.result(SYNC_TIMEOUT * 3)
+    version = trainer_side[0]["sync"]["version"]
+    assert [t["sync"]["version"] for t in trainer_side] == [version] * TRAINERS
+    assert [[w["version"] for w in r] for r in reports] == [[version], [version]]
+    assert [e.weight_version() for e in engines] == [str(version)] * 2
+    # Balanced policy: both trainer ranks send, and each sends to both engines' workers (ranks 2 and 3).
+    for t in trainer_side:
+        sent = t["sync"]["stats"]["bytes_sent"]
+        assert sorted(sent) == ["2", "3"], sent
+    checkpoint = tmp_path / "step"
+    trainer.live().call(save_checkpoint, str(checkpoint), str(model))
+    fresh = launch(checkpoint, logs, "fresh")
+    try:
+        wait_all([fresh], timeout=400)
+        want_tokens = fresh.engine.complete_greedy(DEFAULT_PROMPTS, max_tokens=12)
+        want_digests = digests(fresh.engine)
+    finally:
+        fresh.stop()
+    for e in engines:
+        assert e.complete_greedy(DEFAULT_PROMPTS, max_tokens=12) == want_tokens, e.name
+        assert digests(e) == want_digests, e.name
+
+
+def test_a_stale_answer_from_an_earlier_call_is_refused() -> None:
+    ok = [{"nonce": "a", "result": 1}, {"nonce": "a", "result": 2}]
+    assert check_answers("e", "status", "a", ok) == [1, 2]
+    stale = [{"nonce": "a", "result": 1}, {"nonce": "old", "error": "RuntimeError: previous call"}]
+    with pytest.raises(PeerFailedError, match="engine e worker 1: status: stale"):
+        check_answers("e", "status", "a", stale)
+    with pytest.raises(PeerFailedError, match="stale"):
+        check_answers("e", "status", "a", ["RuntimeError: previous call"])
+    with pytest.raises(PeerFailedError, match="worker 0: status failed: boom"):
+        check_answers("e", "status", "a", [{"nonce": "a", "error": "boom"}])
+
+
+def test_after_a_failed_call_the_next_call_gets_its_own_answer(servers: list[Server]) -> None:
+    engine = servers[0].engine
+    with pytest.raises(PeerFailedError, match="engine engine0 worker 0: no_such_call failed"):
+        engine.call("no_such_call")
+    status = engine.call("status")
+    assert status[0]["connected"] is True, status
+
+
+def test_a_trainer_rank_killed_mid_sync_fails_every_worker_in_time_and_a_restarted_trainer_repairs(
+    servers: list[Server], trainer: Trainer, model: Path, tmp_path: Path
+) -> None:
+    engines = [s.engine for s in servers]
+    before = [e.weight_version() for e in engines]
+    before_status = [e.status()[0]["version"] for e in engines]
+    start = time.monotonic()
+    pending, receives = step_and_receive(trainer, engines, on_start=lambda: trainer.live().kill_rank(1))
+    for e, r in zip(engines, receives, strict=True):
+        with pytest.raises((PeerFailedError, SyncTimeoutError), match=e.name):
+            r.result(BOUND)
+    failed_in = time.monotonic() - start
+    assert failed_in < BOUND, failed_in
+    with pytest.raises(RankError):
+        pending.result(BOUND)
+    trainer.stop()
+    for e, old, old_version in zip(engines, before, before_status, strict=True):
+        status = e.status()[0]
+        assert status["incomplete"] is True and status["version"] == old_version, status
+        assert e.weight_version() == old, "a failed sync must not move the served weight version"
+        assert len(e.complete_greedy(DEFAULT_PROMPTS[:1], max_tokens=4)[0]) == 4  # still serving
+
+    trainer.start()  # the restart: new processes, new handshake
+    handshake(trainer, engines)
+    pending, receives = step_and_receive(trainer, engines)
+    reports = [r.result(SYNC_TIMEOUT * 3) for r in receives]
+    version = pending.result(SYNC_TIMEOUT * 3)[0]["sync"]["version"]
+    assert all(not w["incomplete"] and w["version"] == version for r in reports for w in r), reports
+    assert [e.weight_version() for e in engines] == [str(version)] * 2
+    checkpoint = tmp_path / "repaired"
+    trainer.live().call(save_checkpoint, str(checkpoint), str(model))
+    synced = [digests(e) for e in engines]
+    apply_checkpoint(engines, str(checkpoint))  # a complete sync: writing the checkpoint changes no bit
+    assert [digests(e) for e in engines] == synced
+    print(f"\ntrainer rank killed: both servers failed after {failed_in:.1f} s")
+
+
+def test_a_server_killed_mid_sync_makes_the_trainer_raise_in_time_and_a_restarted_server_rejoins(
+    servers: list[Server], trainer: Trainer, model: Path, logs: Path
+) -> None:
+    engines = [s.engine for s in servers]
+    start = time.monotonic()
+    pending, receives = step_and_receive(trainer, engines, on_start=servers[1].kill)
+    with pytest.raises(RankError) as raised:
+        pending.result(BOUND)
+    failed_in = time.monotonic() - start
+    assert failed_in < BOUND, failed_in
+    print(f"\nserver killed: trainer raised after {failed_in:.1f} s: {str(raised.value)[:400]}")
+    with pytest.raises((PeerFailedError, SyncTimeoutError)):
+        receives[0].result(BOUND)
+    with pytest.raises((PeerFailedError, SyncTimeoutError)):
+        receives[1].result(BOUND)
+    assert servers[0].engine.status()[0]["incomplete"] is True
+
+    servers[1].stop()
+    servers[1] = launch(model, logs, "engine1-restarted")
+    wait_all([servers[1]], timeout=400)
+    engines = [s.engine for s in servers]
+    handshake(trainer, engines)  # same trainer processes, new handshake, plan rebuilt
+    pending, receives = step_and_receive(trainer, engines)
+    reports = [r.result(SYNC_TIMEOUT * 3) for r in receives]
+    version = pending.result(SYNC_TIMEOUT * 3)[0]["sync"]["version"]
+    assert all(not w["incomplete"] and w["version"] == version for r in reports for w in r), reports
+    assert digests(engines[0]) == digests(engines[1])
