@@ -342,14 +342,18 @@ def run_row(
         extra["zero_optimization"] = dict(BUCKETS)
     spec = DeepSpeedSpec("dense-tied", zero_stage=stage, optimizer="sgd", extra_config=extra)
     with RankPool(TRAINERS, env=TRAINER_ENV, timeout=timeout * 4) as pool:
-        start = time.perf_counter()
-        pool.call(setup, spec, str(model))
-        _log(f"{trainer}: DeepSpeed engine built in {time.perf_counter() - start:.1f} s")
+        # The engine and its loader probe first: the probe's peak (several GB per worker at these shapes,
+        # measured: a worker OOM-killed at 6.2 GB RSS) must not coincide with the trainer ranks' memory.
         start = time.perf_counter()
         llm, pids = start_engine(model)
         _log(f"{trainer}: vLLM TP-{TP} engine started in {time.perf_counter() - start:.1f} s")
         try:
+            start = time.perf_counter()
             setup_engines([llm], first_rank=TRAINERS)
+            _log(f"{trainer}: engine probed in {time.perf_counter() - start:.1f} s")
+            start = time.perf_counter()
+            pool.call(setup, spec, str(model))
+            _log(f"{trainer}: DeepSpeed engine built in {time.perf_counter() - start:.1f} s")
             address = f"tcp://127.0.0.1:{free_port()}"
             start = time.perf_counter()
             pending = pool.submit(attach, address, TOKEN, 1, None, "balanced", timeout, staging_cap_bytes)
