@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     from rollout_sync.testing.rank_pool import RankPool, free_port
     from rollout_sync.testing.tiny_models import make_tiny_model
     from rollout_sync.testing.trainer_ranks import attach, setup
-    from vllm_plugin.driver import apply_checkpoint, setup_engines
+    from vllm_plugin.driver import apply_checkpoint, receive_sync, setup_engines
 
     kind = "moe" if args.autoep > 1 else "dense"
     work = Path(args.workdir)
@@ -186,9 +186,8 @@ def main(argv: list[str] | None = None) -> int:
                 batch += [(prompt, c, (s - mean) / (std + 1e-4)) for c, s in zip(group, scores, strict=True)]
                 rewards += scores
             pending = pool.submit(grpo_step, batch)
-            workers = llm.collective_rpc("rollout_sync_receive")
+            workers = receive_sync([llm])[0]  # blocks while the trainer ranks send; sets weight_version
             results = pending.result(300)
-            llm.reset_prefix_cache()
             sync = results[0]["sync"]
             moved = sum(sum(w["stats"]["bytes_received"].values()) for w in workers)
             row: dict[str, Any] = {
@@ -199,6 +198,7 @@ def main(argv: list[str] | None = None) -> int:
                 "sync_s": max(r["sync"]["seconds"] for r in results),
                 "bytes_moved": moved,
                 "rollout_versions": sorted({w["version"] for w in workers}),
+                "vllm_weight_version": llm.get_weight_version(),
             }
             if args.verify:
                 ckpt = work / "verify" / f"step{step}"
@@ -212,6 +212,7 @@ def main(argv: list[str] | None = None) -> int:
             summary["steps"].append(row)
             bar.write(
                 f"step {step}: reward {row['reward']:.3f}  loss {row['loss']:+.4f}  sync v{row['version']} "
+                f"(vLLM weight_version {row['vllm_weight_version']}) "
                 f"{row['sync_s'] * 1000:.0f} ms, {moved / 1e6:.2f} MB moved"
                 + (
                     f"  vLLM == trainer, bit for bit: {'yes' if row['verified'] else f'NO ({changed} parameters differ)'}"
@@ -219,7 +220,12 @@ def main(argv: list[str] | None = None) -> int:
                     else ""
                 )
             )
-    ok = all(r.get("verified", True) and r["rollout_versions"] == [r["version"]] for r in summary["steps"])
+    ok = all(
+        r.get("verified", True)
+        and r["rollout_versions"] == [r["version"]]
+        and r["vllm_weight_version"] == str(r["version"])
+        for r in summary["steps"]
+    )
     summary["ok"] = ok
     print(
         f"[grpo] {'all syncs verified bit for bit' if args.verify and ok else 'done' if ok else 'FAILED: see above'}",

@@ -15,7 +15,7 @@ from rollout_sync.rollout.codec import local_targets_from_dict
 from rollout_sync.rollout.probe import DEFAULT_MAX_PIECES
 from rollout_sync.rollout.targets import RolloutTargets, assemble
 
-__all__ = ["apply_checkpoint", "setup_engines"]
+__all__ = ["apply_checkpoint", "receive_sync", "setup_engines"]
 
 
 def setup_engines(
@@ -69,4 +69,30 @@ def apply_checkpoint(
         reset = getattr(engine, "reset_prefix_cache", None)
         if callable(reset):
             reset()
+    return reports
+
+
+def receive_sync(engines: Sequence[Any]) -> list[list[dict[str, Any]]]:
+    """Receive one sync on every engine (call while the trainer ranks send; no generation may run), then
+    reset each engine's prefix cache and set vLLM's ``weight_version`` to the version the trainer sent.
+    Raises if a worker reports another version than the others: no engine claims a version it did not get.
+
+    The engines' ``rollout_sync_receive`` calls run concurrently (one thread per engine), since each blocks
+    until every rank of the sync group has committed."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=max(len(engines), 1)) as pool:
+        futures = [pool.submit(engine.collective_rpc, "rollout_sync_receive") for engine in engines]
+        reports = [list(f.result()) for f in futures]
+    versions = {int(r["version"]) for per_engine in reports for r in per_engine}
+    if len(versions) != 1:
+        raise PeerFailedError(f"workers report different weight versions after a sync: {sorted(versions)}")
+    version = str(versions.pop())
+    for engine in engines:
+        reset = getattr(engine, "reset_prefix_cache", None)
+        if callable(reset):
+            reset()
+        set_version = getattr(engine, "update_weight_version", None)
+        if callable(set_version):
+            set_version(version)
     return reports

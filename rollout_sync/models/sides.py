@@ -62,7 +62,9 @@ def vllm_engine_ranks(engines: int, tp: int, first_rank: int) -> tuple[tuple[int
     return tuple(tuple(first_rank + k * tp + w for w in range(tp)) for k in range(engines))
 
 
-def autotp_layout(t: LogicalTensor, tp: int, num_kv_heads: int | None, grain: int = 1) -> Layout:
+def autotp_layout(
+    t: LogicalTensor, tp: int, num_kv_heads: int | None, grain: int = 1, *, tied: bool = False
+) -> Layout:
     """DeepSpeed AutoTP's layout of one logical tensor over ``tp`` TP ranks (training mode, through
     transformers' ``base_model_tp_plan``): for Qwen3 ``q``/``k``/``v``/``gate``/``up`` and ``lm_head`` are
     split along rows, ``o_proj``/``down_proj`` along columns, with ``autotp_shard_sizes``; ``embed_tokens``,
@@ -70,20 +72,25 @@ def autotp_layout(t: LogicalTensor, tp: int, num_kv_heads: int | None, grain: in
 
     Refused (``UnsupportedLayoutError``) rather than guessed: MoE experts (DeepSpeed 0.19.8 refuses their
     ``packed_colwise``/``moe_tp_experts`` plan styles) and MLA's column-parallel projections (never
-    measured under AutoTP; transformers' DeepSeek-V3 plan leaves attention whole)."""
-    split = _autotp_split(t, tp, num_kv_heads, grain)
+    measured under AutoTP; transformers' DeepSeek-V3 plan leaves attention whole).
+
+    ``tied``: the model ties ``lm_head`` to ``embed_tokens``; AutoTP splits the shared parameter by rows as
+    it splits ``lm_head`` (measured on a tied tiny Qwen3), so ``embed_tokens`` is split the same way."""
+    split = _autotp_split(t, tp, num_kv_heads, grain, tied)
     if split is None:
         return replicated_layout(t.name, t.shape, tp)
     return split_layout(t.name, t.shape, split[0], split[1])
 
 
 def _autotp_split(
-    t: LogicalTensor, tp: int, num_kv_heads: int | None, grain: int
+    t: LogicalTensor, tp: int, num_kv_heads: int | None, grain: int, tied: bool = False
 ) -> tuple[int, tuple[int, ...]] | None:
     """``(dim, sizes)`` of AutoTP's split of ``t``, or None where every TP rank holds it whole."""
     if tp == 1 or t.buffer:
         return None
     module = t.name.rsplit(".", 1)[0]
+    if tied and t.kind == "vocab" and module.endswith("embed_tokens"):
+        return 0, autotp_shard_sizes(t.shape[0], tp, "lm_head", num_kv_heads, grain)
     if t.kind in ("q", "k", "v", "gate", "up") or (t.kind == "vocab" and module == "lm_head"):
         dim = 0
     elif t.kind == "row" and len(t.shape) >= 2:
@@ -172,7 +179,7 @@ def trainer_maps(
         elif t.kind in _EXPERT_KINDS:
             key = (t.kind, t.expert, t.shape, tdtype)
         else:
-            split = _autotp_split(t, tp, model.num_kv_heads, tp_grain)
+            split = _autotp_split(t, tp, model.num_kv_heads, tp_grain, model.tied_embeddings)
             key = ("dense", t.shape, tdtype, split)
         m = _reused(cache, key, t, tdtype)
         if m is None:

@@ -12,7 +12,7 @@ from rollout_sync.testing.rank_pool import RankContext, RankPool, free_port
 from rollout_sync.testing.trainer_ranks import attach, setup, train_step
 from tests.harness.vllm_engines import DEFAULT_PROMPTS
 from tests.vllm.rollout_checks import Snapshot, differing_params, snapshot
-from vllm_plugin.driver import apply_checkpoint, setup_engines
+from vllm_plugin.driver import apply_checkpoint, receive_sync, setup_engines
 
 TOKEN = "e2e-token"
 EXTENSION = "vllm_plugin.extension.RolloutSyncExtension"
@@ -73,9 +73,9 @@ def run_sync_steps(
         run = E2ERun(ranks=pending.result(timeout * 2))
         for step in range(1, steps + 1):
             pending = pool.submit(train_step, step)
-            workers = engine.collective_rpc("rollout_sync_receive")
+            workers = receive_sync([engine.llm])[0]
             trainer = pending.result(timeout * 2)
-            engine.llm.reset_prefix_cache()
+            assert engine.llm.get_weight_version() == str(trainer[0]["sync"]["version"])
             synced = snapshot(engine)
             checkpoint = out / f"step{step}"
             pool.call(save_checkpoint, str(checkpoint), str(model))
