@@ -29,6 +29,11 @@ changes, the engine held exactly the trainer's weights (``bitwise_equal``).
 Last line with ``--json``: ``{"rows": [{"trainer", "ours_s", "baseline_s", "ours_trainer_extra_bytes",
 "baseline_trainer_extra_bytes", "ours_rollout_extra_bytes", "baseline_rollout_extra_bytes",
 "ours_bytes_moved", "baseline_bytes_moved", "bitwise_equal", ...}]}``.
+
+Status (2026-11-29): not yet run to the end. At these shapes ``rollout_sync_setup`` (the loader probe,
+``vllm_plugin.probing``) took each TP-2 worker past 10 GB RSS and was OOM-killed on a 24 GiB machine,
+even with the trainer ranks not yet built; the probe's per-element observations (int64 positions and
+float64 values for the 77.8M-element vocab shard, per dimension) need to become leaner first.
 """
 
 from __future__ import annotations
