@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any
 
-from ..errors import PeerFailedError, SyncTimeoutError
+from ..errors import PeerFailedError
+from ..transport.collectives import allgather_bytes
 
 RECORD_BYTES = 256
 _MAGIC = b"RSC1"
@@ -67,20 +67,13 @@ def commit(
     device: Any = "cpu",
 ) -> int:
     """Allgather this rank's outcome and return the agreed version (raises on any failure, on every rank)."""
-    import torch
-
-    mine = torch.frombuffer(bytearray(encode(version, ok, reason)), dtype=torch.uint8).to(device)
-    out = [torch.empty(RECORD_BYTES, dtype=torch.uint8, device=device) for _ in range(world)]
-    try:
-        work = group.allgather([out], [mine])
-        finished = work.wait(timedelta(seconds=timeout))
-    except RuntimeError as e:
-        text = str(e)
-        if "imed out" in text or "imeout" in text:
-            raise SyncTimeoutError(
-                f"rank {rank}: the sync's commit did not complete within {timeout:g} s"
-            ) from e
-        raise PeerFailedError(f"rank {rank}: the sync's commit failed (a peer died or left): {text}") from e
-    if finished is False:
-        raise SyncTimeoutError(f"rank {rank}: the sync's commit did not complete within {timeout:g} s")
-    return decide([decode(bytes(t.cpu().numpy().tobytes())) for t in out], trainer_ranks)
+    raw = allgather_bytes(
+        group,
+        encode(version, ok, reason),
+        world,
+        timeout=timeout,
+        rank=rank,
+        what="the sync's commit",
+        device=device,
+    )
+    return decide([decode(r) for r in raw], trainer_ranks)

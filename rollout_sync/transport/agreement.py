@@ -24,10 +24,10 @@ import hashlib
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any
 
-from ..errors import PeerFailedError, PlanMismatchError, SyncTimeoutError
+from ..errors import PlanMismatchError
+from .collectives import allgather_bytes
 from .fingerprint import MASK64
 
 __all__ = ["FORMAT_VERSION", "RECORD_BYTES", "Record", "decide", "decode", "encode", "exchange"]
@@ -173,21 +173,7 @@ def exchange(
 ) -> list[Record]:
     """Allgather every rank's record over ``group`` (the group object's own API), bounded by ``timeout``.
     ``device`` is where the backend wants collective tensors (``cuda`` for NCCL)."""
-    import torch
-
-    mine = torch.frombuffer(bytearray(record), dtype=torch.uint8).to(device)
-    out = [torch.empty(RECORD_BYTES, dtype=torch.uint8, device=device) for _ in range(world)]
-    try:
-        work = group.allgather([out], [mine])
-        finished = work.wait(timedelta(seconds=timeout))
-    except RuntimeError as e:
-        text = str(e)
-        if "imed out" in text or "imeout" in text:
-            raise SyncTimeoutError(
-                f"rank {rank}: the plan agreement did not complete within {timeout:g} s "
-                f"(a rank of the group did not join the sync, or stalled): {text}"
-            ) from e
-        raise PeerFailedError(f"rank {rank}: the plan agreement failed (a peer died or left): {text}") from e
-    if finished is False:
-        raise SyncTimeoutError(f"rank {rank}: the plan agreement did not complete within {timeout:g} s")
-    return [decode(bytes(t.cpu().numpy().tobytes())) for t in out]
+    raw = allgather_bytes(
+        group, record, world, timeout=timeout, rank=rank, what="the plan agreement", device=device
+    )
+    return [decode(r) for r in raw]
