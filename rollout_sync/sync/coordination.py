@@ -4,12 +4,19 @@ Runs in a thread beside trainer rank 0's own endpoint (rank 0 is also a peer). T
 trainer rank 0's hello (every trainer rank builds the same maps from the same layout facts; the others
 send only their maps' digest, which must match). Each vLLM worker describes only its own storage, in
 engine-local ranks; the coordinator renumbers the parts into global ranks and merges them.
+
+Plans are built once per layout: the layout version is a digest of every side's maps digest (and the
+policy); a later handshake in the same process that presents the same version (a reconnect after a failure,
+a restarted engine of the same shape) reuses the cached plan, and one whose layout changed builds a new
+plan. Every peer's welcome carries the version.
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections import defaultdict
+import json
+from collections import OrderedDict, defaultdict
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,11 +35,50 @@ def maps_digest(payload: bytes) -> str:
     return hashlib.sha256(payload).hexdigest()
 
 
+def layout_version(trainer_maps: str, workers: Sequence[tuple[int, int, str]], policy: object) -> str | None:
+    """The version of a sync's layout: a digest of the trainer's maps digest, each worker's (global rank,
+    described rank, maps digest) and the replica policy. None for a callable policy (not comparable)."""
+    if not isinstance(policy, str):
+        return None
+    text = json.dumps([trainer_maps, sorted(workers), policy], separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+class PlanCache:
+    """Plans by layout version. A new handshake that presents the same layout (a reconnect, a restarted
+    engine of the same shape) reuses the plan; a changed layout (any map digest differs) builds a new one."""
+
+    def __init__(self, capacity: int = 4) -> None:
+        self.capacity = capacity
+        self._plans: OrderedDict[str, Plan] = OrderedDict()
+        self.hits = 0
+        self.misses = 0
+
+    def get_or_build(self, version: str | None, build: Callable[[], Plan]) -> tuple[Plan, bool]:
+        """The plan for ``version`` and whether it was reused."""
+        if version is not None and version in self._plans:
+            self._plans.move_to_end(version)
+            self.hits += 1
+            return self._plans[version], True
+        plan = build()
+        self.misses += 1
+        if version is not None:
+            self._plans[version] = plan
+            while len(self._plans) > self.capacity:
+                self._plans.popitem(last=False)
+        return plan, False
+
+
+DEFAULT_PLAN_CACHE = PlanCache()
+
+
 @dataclass
 class Coordinated:
     plan: Plan
     store: Any  # the group's TCPStore: keep it alive as long as the group lives
     world_size: int
+    layout_version: str | None = None
+    reused_plan: bool = False
 
 
 def coordinate(
@@ -42,8 +88,10 @@ def coordinate(
     store_host: str = "127.0.0.1",
     backend: str = "gloo",
     timeout: float = 120.0,
+    cache: PlanCache | None = DEFAULT_PLAN_CACHE,
 ) -> Coordinated:
-    """Admit, plan, welcome. On any failure every admitted peer is told why (ABORT) before this raises."""
+    """Admit, plan (or reuse the cached plan of the same layout version), welcome. On any failure every
+    admitted peer is told why (ABORT) before this raises."""
     try:
         peers = coord.admit()
         trainers = [p for p in peers if p.role == TRAINER]
@@ -55,21 +103,32 @@ def coordinate(
                     f"trainer rank {p.local_rank} describes its storage differently from trainer rank 0 "
                     f"(maps digest {str(p.fields.get('maps_digest'))[:12]}, rank 0 has {expected[:12]})"
                 )
-        sources = decode_maps(first.payload)
-        parts: dict[str, list[TensorMap]] = defaultdict(list)
-        for p in peers:
-            if p.role != ROLLOUT:
-                continue
-            described, rank = int(p.fields.get("map_rank", p.local_rank)), coord.global_rank(p)
-            for m in decode_maps(p.payload):
-                if set(m.ranks) != {described}:
-                    raise PlanMismatchError(
-                        f"{p.name} describes ranks {sorted(m.ranks)} of tensor {m.name!r}; a worker describes "
-                        f"its own storage only (rank {described})"
-                    )
-                parts[m.name].append(alone(m, described, rank))
-        targets = [merge(ms) for _, ms in sorted(parts.items())]
-        plan = plan_model(sources, targets, policy=policy)
+        rollout = [p for p in peers if p.role == ROLLOUT]
+        version = layout_version(
+            expected,
+            [
+                (coord.global_rank(p), int(p.fields.get("map_rank", p.local_rank)), maps_digest(p.payload))
+                for p in rollout
+            ],
+            policy,
+        )
+
+        def build() -> Plan:
+            sources = decode_maps(first.payload)
+            parts: dict[str, list[TensorMap]] = defaultdict(list)
+            for p in rollout:
+                described, rank = int(p.fields.get("map_rank", p.local_rank)), coord.global_rank(p)
+                for m in decode_maps(p.payload):
+                    if set(m.ranks) != {described}:
+                        raise PlanMismatchError(
+                            f"{p.name} describes ranks {sorted(m.ranks)} of tensor {m.name!r}; a worker "
+                            f"describes its own storage only (rank {described})"
+                        )
+                    parts[m.name].append(alone(m, described, rank))
+            targets = [merge(ms) for _, ms in sorted(parts.items())]
+            return plan_model(sources, targets, policy=policy)
+
+        plan, reused = cache.get_or_build(version, build) if cache is not None else (build(), False)
         world = coord.world_size
         store = connect_store(store_host, 0, world, is_master=True, timeout=timeout)
         common = {
@@ -79,13 +138,14 @@ def coordinate(
             "store_port": int(store.port),
             "backend": backend,
             "digest": plan.digest,
+            "layout_version": version or "",
         }
         replies = {}
         for p in peers:
             rank = coord.global_rank(p)
             replies[p.identity] = ({**common, "rank": rank}, encode_half(plan.half(rank)))
         coord.welcome(replies)
-        return Coordinated(plan, store, world)
+        return Coordinated(plan, store, world, version, reused)
     except BaseException as exc:
         coord.abort(f"{type(exc).__name__}: {exc}")
         raise

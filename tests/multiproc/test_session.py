@@ -87,6 +87,11 @@ def sync(ctx, version: int, seed: int):
     return side.receive(ctx.state["targets"]).version
 
 
+def coordinator_reused_its_plan(ctx):
+    side = ctx.state["side"]
+    return side.coordinated.reused_plan if ctx.rank == 0 else None
+
+
 def check(ctx, seed: int):
     if ctx.rank < TRAINERS:
         return None
@@ -126,6 +131,11 @@ def test_trainer_and_rollout_ranks_sync_every_element_and_agree_on_the_version(p
     assert pool.call(sync, 8, 2) == [8, 8, 8, 8]
     assert pool.call(check, 2)[TRAINERS:] == [[], []]
     assert [s["version"] for s in pool.call(status)[TRAINERS:]] == [8, 8]
+    # A new handshake with the same layout (a reconnect) reuses the plan, and the new group syncs.
+    assert pool.call(join, f"tcp://127.0.0.1:{free_port()}", 60) == [0, 1, 2, 3]
+    assert pool.call(coordinator_reused_its_plan)[0] is True
+    assert pool.call(sync, 9, 3) == [9, 9, 9, 9]
+    assert pool.call(check, 3)[TRAINERS:] == [[], []]
 
 
 def only_rollout_receives(ctx, timeout_expected: float):
