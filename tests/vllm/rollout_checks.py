@@ -40,7 +40,7 @@ def differing_params(a: Snapshot, b: Snapshot) -> list[tuple[int, str]]:
     return out
 
 
-def _canonical(m: TensorMap) -> dict[int, tuple[tuple[int, ...], list[tuple[Any, ...]]]]:
+def canonical(m: TensorMap) -> dict[int, tuple[tuple[int, ...], list[tuple[Any, ...]]]]:
     """Rank -> (storage shape, sorted pieces), strides of axes of extent 1 dropped (they address nothing)."""
     out = {}
     for rank, storage in m.ranks.items():
@@ -74,8 +74,8 @@ def builder_differences(
         a, b = probed[name], built[name]
         if (a.shape, a.dtype) != (b.shape, b.dtype):
             diffs.append(f"{name}: probed {a.shape} {a.dtype}, built {b.shape} {b.dtype}")
-        elif _canonical(a) != _canonical(b):
-            diffs.append(f"{name}: probed {_canonical(a)} built {_canonical(b)}")
+        elif canonical(a) != canonical(b):
+            diffs.append(f"{name}: probed {canonical(a)} built {canonical(b)}")
     return diffs
 
 

