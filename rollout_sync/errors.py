@@ -105,6 +105,28 @@ class PlanMismatchError(RolloutSyncError, RuntimeError):
     """Ranks disagree about the plan, or a rank lacks the storage its half needs. Raised on every rank."""
 
 
+class StaleStorageError(PlanMismatchError):
+    """DeepSpeed replaced a buffer that this rank's storage views alias (``load_checkpoint`` replaces the Adam
+    states, a reallocated flat partition, a rebound ``param.data`` / ``ds_tensor``), and the views could not
+    be re-derived under the maps the plan was built from. Nothing was sent: every rank of the sync refused
+    it. Re-attach (``TrainerSync.attach`` again, with the rollout side connecting again) to plan anew."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        tensor: str | None = None,
+        rank: int | None = None,
+        expected: Any = None,
+        found: Any = None,
+    ) -> None:
+        self.tensor = tensor
+        self.rank = rank
+        self.expected = expected
+        self.found = found
+        super().__init__(_describe(message, tensor, rank, None, expected, found))
+
+
 class PeerFailedError(RolloutSyncError, RuntimeError):
     """A peer failed, died or refused during a sync."""
 

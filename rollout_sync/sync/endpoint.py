@@ -126,12 +126,15 @@ class Endpoint:
         sources: Mapping[str, torch.Tensor],
         targets: Mapping[str, torch.Tensor],
         version: int = -1,
+        refusal: str | None = None,
     ) -> SyncResult:
         """Execute this rank's half, then commit. Returns the version the trainer ranks sent; raises on every
-        rank if any rank failed (a rank whose agreement refused the plan raises the same error everywhere)."""
+        rank if any rank failed (a rank whose agreement refused the plan raises the same error everywhere).
+        ``refusal``: why this rank must not send (its storage views are stale); every rank then raises a
+        ``PlanMismatchError`` naming it, at the agreement, before any byte moves."""
         start = time.perf_counter()
         try:
-            stats = self.executor.execute(self.half, sources, targets)
+            stats = self.executor.execute(self.half, sources, targets, refusal)
         except PlanMismatchError:
             raise  # raised on every rank by the agreement: no commit follows
         except (RolloutSyncError, RuntimeError) as exc:

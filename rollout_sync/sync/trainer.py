@@ -9,6 +9,12 @@ Every trainer rank calls ``attach`` (collectively with the rollout side's connec
 runs the coordinator, bound to the address's host and port (loopback unless told otherwise). Each rank
 describes its storage with ``rollout_sync.trainer.trainer_storage`` (no collective), joins the handshake,
 and keeps the views of DeepSpeed's own buffers: a sync reads the buffers the engine trains, in place.
+
+Before every sync each rank checks that DeepSpeed still holds the buffers its views alias (a few
+microseconds per buffer, no collective; ``rollout_sync.sync.fresh_views``). After ``engine.load_checkpoint``
+(which replaces the Adam states) or anything else that replaces a buffer, the views are re-derived when the
+layout is unchanged; otherwise every rank refuses the sync and this rank raises ``StaleStorageError``:
+re-attach.
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ from collections.abc import Sequence
 from typing import Any
 from urllib.parse import urlparse
 
-from ..errors import HandshakeError
+from ..errors import HandshakeError, PlanMismatchError
 from ..handshake import TRAINER, Coordinator
 from ..layout.maps import TensorMap
 from ..planning.policy import ReplicaPolicy
@@ -26,6 +32,7 @@ from ..planning.wire import encode_maps
 from ..transport import DEFAULT_STAGING_CAP_BYTES, ExecuteOptions
 from .coordination import Coordinated, coordinate, maps_digest
 from .endpoint import Endpoint, SyncResult, resolve_token
+from .fresh_views import FreshViews
 from .step_hook import StepHook
 
 
@@ -44,6 +51,7 @@ class TrainerSync:
         self.endpoint = endpoint
         self.sources = sources
         self.coordinated = coordinated
+        self.views = FreshViews(sources, None, "", None, endpoint.rank)
         self.hook: StepHook | None = None
         self.last: SyncResult | None = None
         self.history: list[SyncResult] = []
@@ -69,9 +77,9 @@ class TrainerSync:
         master weights)."""
         import torch.distributed as dist
 
-        from ..trainer.storage import trainer_storage
+        from ..trainer.storage import watched_storage
 
-        maps, sources = trainer_storage(engine, state)
+        (maps, sources), watch = watched_storage(engine, state)
         self = cls.connect(
             maps,
             sources,
@@ -85,6 +93,15 @@ class TrainerSync:
             timeout=timeout,
             backend=backend,
             engine=engine,
+        )
+
+        def rebuild() -> tuple[list[TensorMap], dict[str, Any], Any]:
+            # Persistent ZeRO-3 parameters stay gathered between steps; the views are of the partitions.
+            (m, v), w = watched_storage(engine, state, allow_gathered=True)
+            return m, v, w
+
+        self.views = FreshViews(
+            sources, watch, maps_digest(encode_maps(list(maps))), rebuild, dist.get_rank()
         )
         if every is not None:
             self.hook = StepHook(engine, self._after_step, every=every)
@@ -161,10 +178,20 @@ class TrainerSync:
         self.sync(version)
 
     def sync(self, version: int | None = None) -> SyncResult:
-        """Send this rank's half now; returns once every rank of the group has committed the sync."""
+        """Send this rank's half now; returns once every rank of the group has committed the sync. Raises
+        ``StaleStorageError`` (on the rank that found it; ``PlanMismatchError`` naming it on every other
+        rank) when DeepSpeed replaced a buffer and the views cannot be re-derived under the plan's maps."""
         if version is None:
             version = int(getattr(self.engine, "global_steps", 0))
-        result = self.endpoint.run(self.sources, {}, version)
+        stale = self.views.check()
+        if self.views.sources is not self.sources:
+            self.sources = dict(self.views.sources)  # re-derived views (same maps)
+        try:
+            result = self.endpoint.run(self.sources, {}, version, None if stale is None else str(stale))
+        except PlanMismatchError as exc:
+            if stale is not None:
+                raise stale from exc
+            raise
         self.last = result
         self.history.append(result)
         return result

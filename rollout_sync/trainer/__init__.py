@@ -26,12 +26,13 @@ __all__ = [
     "state_maps",
     "trainer_storage",
     "trainer_storages",
+    "watched_storage",
 ]
 
 
 def __getattr__(name: str) -> object:
     # The live entry points import torch; keep ``import rollout_sync.trainer`` pure.
-    if name in ("TrainerStorage", "trainer_storage", "trainer_storages"):
+    if name in ("TrainerStorage", "trainer_storage", "trainer_storages", "watched_storage"):
         from . import storage
 
         return getattr(storage, name)

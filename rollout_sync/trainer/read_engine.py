@@ -17,7 +17,7 @@ partition sizes), and a disagreement is refused rather than guessed around.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from math import prod
 from typing import Any
@@ -47,6 +47,10 @@ class LocalParam:
     ``lp[x + lp_shift]`` (for the elements this rank stores). ``hp`` is the fp32 master partition (also the
     key of the optimizer's per-tensor state) with ``hp_shift`` likewise; ``None`` for a parameter the
     optimizer does not own (frozen) or an engine without master weights (ZeRO-0).
+
+    ``lp_source`` / ``hp_source`` fetch the tensor the engine holds *now* in the place ``lp`` / ``hp`` were
+    read from (the parameter, its ``ds_tensor``, the optimizer's list entry): ``rollout_sync.trainer.freshness``
+    compares them with the buffers the views were cut from, to notice a buffer DeepSpeed replaced.
     """
 
     name: str
@@ -55,6 +59,8 @@ class LocalParam:
     lp_shift: int
     hp: torch.Tensor | None = None
     hp_shift: int = 0
+    lp_source: Callable[[], Any] | None = None
+    hp_source: Callable[[], Any] | None = None
 
 
 @dataclass
@@ -65,6 +71,8 @@ class ReadEngine:
     local: dict[str, LocalParam]
     basic_optimizer: Any
     rank: int
+    #: The engine's basic optimizer now (whose ``state`` holds the Adam states), for freshness checks.
+    optimizer_source: Callable[[], Any] | None = None
 
 
 def _dtype(dt: torch.dtype) -> str:
@@ -309,12 +317,12 @@ def _check_expert_layers(reader: _Reader) -> None:
             )
 
 
-def _check_zero3(name: str, p: Any, group: ZeroGroup, rank: int) -> None:
+def _check_zero3(name: str, p: Any, group: ZeroGroup, rank: int, allow_gathered: bool = False) -> None:
     from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
     if not _zero3_param(p):
         raise UnsupportedLayoutError("a parameter that ZeRO-3 does not partition", tensor=name, rank=rank)
-    if p.ds_status != ZeroParamStatus.NOT_AVAILABLE or p.numel() != 0:
+    if not allow_gathered and (p.ds_status != ZeroParamStatus.NOT_AVAILABLE or p.numel() != 0):
         raise UnsupportedLayoutError(
             "a gathered ZeRO-3 parameter is a derived copy; maps describe its partition only (release it "
             "first, e.g. leave GatheredParameters or call engine.empty_partition_cache())",
@@ -373,6 +381,16 @@ class _FlatGroup:
     hp: torch.Tensor
     ranks: tuple[int, ...]
     param_alignment: int
+    hp_source: Callable[[], Any]
+
+
+def _entry(engine: Any, attribute: str, index: int) -> Callable[[], Any]:
+    """Fetches ``engine.optimizer.<attribute>[index]`` as it is when called."""
+
+    def source() -> Any:
+        return getattr(engine.optimizer, attribute)[index]
+
+    return source
 
 
 def _flat_groups(reader: _Reader) -> list[_FlatGroup]:
@@ -387,6 +405,7 @@ def _flat_groups(reader: _Reader) -> list[_FlatGroup]:
                     opt.fp32_groups_flat_partition[g],
                     _ranks(opt.real_dp_process_group[g]),
                     1,
+                    _entry(reader.engine, "fp32_groups_flat_partition", g),
                 )
             )
         return out
@@ -399,14 +418,30 @@ def _flat_groups(reader: _Reader) -> list[_FlatGroup]:
                 opt.single_partition_of_fp32_groups[g],
                 _ranks(opt.real_dp_process_group[g]),
                 param_alignment_for(flat.element_size(), bool(opt.parameter_alignment)),
+                _entry(reader.engine, "single_partition_of_fp32_groups", g),
             )
         )
     return out
 
 
-def read_engine(engine: Any) -> ReadEngine:
+def _attribute(obj: Any, attribute: str) -> Callable[[], Any]:
+    def source() -> Any:
+        return getattr(obj, attribute, None)
+
+    return source
+
+
+def _itself(obj: Any) -> Callable[[], Any]:
+    return lambda: obj
+
+
+def read_engine(engine: Any, *, allow_gathered: bool = False) -> ReadEngine:
     """Layout facts of ``engine`` and this rank's own buffers; raises the refusals of
-    ``rollout_sync.trainer.refusals`` and of this module before anything moves."""
+    ``rollout_sync.trainer.refusals`` and of this module before anything moves.
+
+    ``allow_gathered`` accepts ZeRO-3 parameters that are gathered (persistent parameters stay gathered
+    after the first forward): for re-deriving views during training, where the views are of the partitions
+    (``ds_tensor``) DeepSpeed steps and re-gathers from. A first description refuses them."""
     refuse_engine(read_traits(engine))
     reader = _Reader(engine)
     _check_expert_layers(reader)
@@ -432,9 +467,11 @@ def read_engine(engine: Any) -> ReadEngine:
             )
         param_dtypes.add(p.dtype)
         if stage == 3:
-            _check_zero3(name, p, zero[own], rank)
+            _check_zero3(name, p, zero[own], rank, allow_gathered)
             k = zero[own].ranks.index(rank)
-            local[name] = LocalParam(name, own, p.ds_tensor, -k * p.ds_tensor.numel())
+            local[name] = LocalParam(
+                name, own, p.ds_tensor, -k * p.ds_tensor.numel(), lp_source=_attribute(p, "ds_tensor")
+            )
         else:
             if _zero3_param(p):
                 raise UnsupportedLayoutError(
@@ -447,7 +484,7 @@ def read_engine(engine: Any) -> ReadEngine:
             data = p.data
             if not data.is_contiguous():
                 raise LayoutError("a parameter that is not contiguous", tensor=name, rank=rank)
-            local[name] = LocalParam(name, own, data.reshape(-1), 0)
+            local[name] = LocalParam(name, own, data.reshape(-1), 0, lp_source=_itself(p))
     if len(param_dtypes) > 1:
         raise UnsupportedLayoutError(
             "parameters of several dtypes",
@@ -470,7 +507,11 @@ def read_engine(engine: Any) -> ReadEngine:
         params.append(ParamFacts(name, tuple(layout.shape), layout, zero, parts, trainable))
     facts = TrainerFacts(stage, param_dtype, master_dtype, tuple(params))
     basic = getattr(reader.opt, "optimizer", None) if stage > 0 else None
-    return ReadEngine(facts, local, basic, rank)
+
+    def basic_now() -> Any:
+        return getattr(engine.optimizer, "optimizer", None) if stage > 0 else None
+
+    return ReadEngine(facts, local, basic, rank, basic_now)
 
 
 def _zero12_positions(
@@ -535,6 +576,7 @@ def _zero12_positions(
             o = placements[n][1][own_k].flat_offset or 0
             local[n].hp = fg.hp
             local[n].hp_shift = o - i * part
+            local[n].hp_source = fg.hp_source
         dtypes.add(fg.hp.dtype)
     if len(dtypes) > 1:
         raise UnsupportedLayoutError(
@@ -570,6 +612,7 @@ def _zero3_positions(
             lp = local[name]
             lp.hp = hp_flat
             lp.hp_shift = offset + lp.lp_shift
+            lp.hp_source = _entry(reader.engine, "fp32_partitioned_groups_flat", sg)
             offset += p.ds_tensor.numel()
         if hp_flat.numel() != offset:
             raise LayoutError(

@@ -5,7 +5,9 @@
 
 Every rank may call these alone (no collective). Every rank gets the same maps (they describe all ranks);
 ``sources`` holds this rank's views keyed by logical name. Call again after anything that replaces
-DeepSpeed's buffers (loading a checkpoint, re-initializing the engine); an optimizer step keeps them.
+DeepSpeed's buffers (re-initializing the engine; ``load_checkpoint`` replaces the Adam states); an optimizer
+step keeps them. ``watched_storage`` also returns a watch that tells when that is needed (the trainer hook
+checks it before every sync and re-derives the views).
 
 Reading (training to rollout) the ``param`` views gives what the next forward reads. Writing into a training
 engine (restoring, resharding) must write ``fp32`` (and the Adam states): on a training engine the
@@ -23,11 +25,12 @@ import torch
 from ..errors import LayoutError
 from ..layout.maps import TensorMap
 from .facts import STATES
+from .freshness import BufferWatch
 from .read_engine import read_engine
 from .storage_maps import state_maps
-from .views import storage_views
+from .views import storage_views, watched_views
 
-__all__ = ["TrainerStorage", "trainer_storage", "trainer_storages"]
+__all__ = ["TrainerStorage", "trainer_storage", "trainer_storages", "watched_storage"]
 
 
 class TrainerStorage(NamedTuple):
@@ -55,3 +58,16 @@ def trainer_storages(engine: Any, states: Sequence[str] = ("param",)) -> dict[st
 def trainer_storage(engine: Any, state: str = "param") -> TrainerStorage:
     """Maps and this rank's views of one state of ``engine``."""
     return trainer_storages(engine, (state,))[state]
+
+
+def watched_storage(
+    engine: Any, state: str = "param", *, allow_gathered: bool = False
+) -> tuple[TrainerStorage, BufferWatch]:
+    """``trainer_storage`` plus a watch that tells, cheaply, when DeepSpeed no longer holds a buffer the
+    views were cut from (``rollout_sync.trainer.freshness``). ``allow_gathered``: see ``read_engine``."""
+    if state not in STATES:
+        raise LayoutError("unknown state", expected=STATES, found=state)
+    read = read_engine(engine, allow_gathered=allow_gathered)
+    smaps = state_maps(read.facts, state)
+    views, watch = watched_views(read, smaps, state)
+    return TrainerStorage([sm.map for sm in smaps], views), watch

@@ -10,15 +10,17 @@ tensors the engine trains, never copies).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 
 from ..errors import LayoutError, ShapeMismatchError, UnsupportedLayoutError
+from .freshness import BufferWatch, anchor_builder
 from .read_engine import LocalParam, ReadEngine, flat_view
 from .storage_maps import StorageMap
 
-__all__ = ["state_buffer", "storage_views"]
+__all__ = ["state_buffer", "state_source", "storage_views", "watched_views"]
 
 
 def state_buffer(read: ReadEngine, lp: LocalParam, state: str) -> tuple[torch.Tensor, int]:
@@ -54,8 +56,50 @@ def state_buffer(read: ReadEngine, lp: LocalParam, state: str) -> tuple[torch.Te
     return tensor, lp.hp_shift
 
 
-def storage_views(read: ReadEngine, maps: Iterable[StorageMap], state: str) -> dict[str, torch.Tensor]:
-    """This rank's storage view of every logical tensor of ``maps`` it stores, keyed by logical name."""
+def state_source(read: ReadEngine, lp: LocalParam, state: str) -> Callable[[], Any]:
+    """Fetches the buffer ``state_buffer`` returns, as the engine holds it when called."""
+    if state == "param":
+        if lp.lp_source is None:
+            raise UnsupportedLayoutError(
+                "no source for this parameter's buffer", tensor=lp.name, rank=read.rank
+            )
+        return lp.lp_source
+    if lp.hp_source is None:
+        raise UnsupportedLayoutError("no source for the master weights", tensor=lp.name, rank=read.rank)
+    hp_source = lp.hp_source
+    if state == "fp32":
+        return hp_source
+    optimizer = read.optimizer_source
+
+    def source() -> Any:
+        opt = optimizer() if optimizer is not None else None
+        entry = None if opt is None else opt.state.get(hp_source())
+        return None if entry is None else entry.get(state)
+
+    return source
+
+
+def _what(lp: LocalParam, state: str) -> str:
+    return f"parameter {lp.name}" if state == "param" else f"{state} of parameter {lp.name}"
+
+
+def watched_views(
+    read: ReadEngine, maps: Iterable[StorageMap], state: str
+) -> tuple[dict[str, torch.Tensor], BufferWatch]:
+    """``storage_views`` and a watch over the buffers they were cut from (see ``freshness``)."""
+    add, done = anchor_builder()
+    views = storage_views(read, maps, state, on_view=add)
+    return views, done()
+
+
+def storage_views(
+    read: ReadEngine,
+    maps: Iterable[StorageMap],
+    state: str,
+    on_view: Callable[[str, str, torch.Tensor, Callable[[], Any]], None] | None = None,
+) -> dict[str, torch.Tensor]:
+    """This rank's storage view of every logical tensor of ``maps`` it stores, keyed by logical name.
+    ``on_view(name, what, buffer, source)`` is told the buffer each view was cut from."""
     out: dict[str, torch.Tensor] = {}
     for sm in maps:
         run = sm.local.get(read.rank)
@@ -82,4 +126,6 @@ def storage_views(read: ReadEngine, maps: Iterable[StorageMap], state: str) -> d
                 found=tuple(view.shape),
             )
         out[sm.map.name] = view
+        if on_view is not None:
+            on_view(sm.map.name, _what(lp, state), buffer, state_source(read, lp, state))
     return out

@@ -257,13 +257,21 @@ class Executor:
 
     # -- 4. transfer ------------------------------------------------------------------------------------
     def execute(
-        self, half: PlanHalf, sources: Mapping[str, torch.Tensor], targets: Mapping[str, torch.Tensor]
+        self,
+        half: PlanHalf,
+        sources: Mapping[str, torch.Tensor],
+        targets: Mapping[str, torch.Tensor],
+        refusal: str | None = None,
     ) -> SyncStats:
         """Run this rank's half. Returns when every byte this rank sends has left and every byte it receives
-        has landed in its target storage (cast to the target dtype)."""
+        has landed in its target storage (cast to the target dtype). ``refusal``: a reason, found by the
+        caller, why this rank must not take part; it becomes this rank's refusal in the agreement, so every
+        rank raises the same ``PlanMismatchError`` before any byte moves."""
         clock = _Clock()
         t0 = t = time.perf_counter()
         reason, device, wanted = self._check(half, sources, targets)
+        if refusal is not None and reason is None:
+            reason = f"rank {self.rank}: {refusal}"
         if device is None:
             device = self._default_device()
         t = clock.add("check", t)
