@@ -36,7 +36,7 @@ from rollout_sync.rollout.apply import (
 )
 from rollout_sync.rollout.checkpoint import logical_tensors, read_tensors
 from rollout_sync.rollout.codec import local_targets_to_dict
-from rollout_sync.rollout.probe import DEFAULT_MAX_PIECES, LocalTargets, fallback_map, local_targets
+from rollout_sync.rollout.probe import DEFAULT_MAX_PIECES, LocalTargets, TargetsBuilder, fallback_map
 
 __all__ = ["RolloutWorker", "param_digest"]
 
@@ -119,17 +119,17 @@ class RolloutWorker:
         else:
             shapes = {str(n): tuple(int(x) for x in s) for n, s in tensors.items()}
         check_writable(model)
-        result = probe_model(model, shapes)
         model_dtype = str(vllm_config.model_config.dtype).removeprefix("torch.")
-        described = {n: (s, result.dtypes.get(n, model_dtype)) for n, s in shapes.items()}
-        targets = local_targets(
-            first_rank + tp_rank,
-            described,
-            result.landings,
-            result.errors,
-            fallback_dtype=model_dtype,
-            max_pieces=max_pieces,
+        builder = TargetsBuilder(first_rank + tp_rank, fallback_dtype=model_dtype, max_pieces=max_pieces)
+        result = probe_model(
+            model,
+            shapes,
+            rank=first_rank + tp_rank,
+            observe=lambda seen: builder.add(
+                seen.name, seen.shape, seen.dtype or model_dtype, seen.landings, seen.error
+            ),
         )
+        targets = builder.build()
         derived = derived_copies(model, targets.views)
         return cls(
             model,

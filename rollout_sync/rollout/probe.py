@@ -35,7 +35,7 @@ an expert's slab of ``w2_weight`` gives the slab's shape), the first piece's ext
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from math import prod
 
@@ -46,11 +46,16 @@ from ..layout.box import Box, row_major_strides
 from ..layout.maps import Piece, RankStorage, TensorMap
 
 __all__ = [
+    "CHUNK",
     "DEFAULT_MAX_PIECES",
+    "FILLED",
+    "HOLE",
     "Landing",
+    "LandingBuilder",
     "LocalTargets",
     "StorageView",
-    "decode_landing",
+    "TargetsBuilder",
+    "data_range",
     "fallback_map",
     "local_targets",
     "target_map",
@@ -95,20 +100,156 @@ class StorageView:
         return StorageView(param, offset, tuple(int(s) for s in shape))
 
 
+HOLE = -2  # ``Landing.linear``: the loader wrote nothing at this position
+FILLED = -1  # ``Landing.linear``: the loader wrote zeros here (padding rows of a vocab shard)
+CHUNK = 1 << 21  # elements handled at once when scanning a landing (bounds temporaries to a few dozen MB)
+_EMPTY_PROBE = -1.0  # what a probe buffer holds where the loader wrote nothing
+
+
 @dataclass(frozen=True)
 class Landing:
     """What one probe observed: elements of one logical tensor written into one parameter.
 
-    ``positions[i]`` is a row-major flat position in the parameter (of ``param_shape``) and
-    ``values[i, d]`` the probe value found there when dimension ``d`` was probed (coordinate + 1; 0 means
-    the loader filled the element with zeros, as vocab loaders do for padding rows).
+    The observation covers the *window* ``[start, start + len(linear))`` of the parameter's row-major
+    flattening (``param_shape``), from its first to its last written element: ``linear[i]`` is the
+    row-major linear index, in the logical tensor, of the element found at position ``start + i``, or
+    ``FILLED`` where the loader wrote zeros (padding), or ``HOLE`` where it wrote nothing. One integer per
+    element of the window (int32 when the tensor has under 2**31 elements), built a chunk at a time by
+    ``LandingBuilder``: a 77.8M-element vocab shard costs 311 MB, not the gigabytes of per-element
+    coordinate arrays.
     """
 
     param: str
     param_shape: tuple[int, ...]
     param_contiguous: bool
-    positions: np.ndarray  # (n,) int64
-    values: np.ndarray  # (n, ndim) float64
+    start: int
+    linear: np.ndarray  # (window,) int32 or int64
+
+
+def linear_dtype(shape: tuple[int, ...]) -> type[np.signedinteger]:
+    """The integer type of ``Landing.linear`` for a logical tensor of this shape."""
+    return np.int32 if prod(shape) < 2**31 else np.int64
+
+
+class LandingBuilder:
+    """Builds one ``Landing`` from the probe values seen in one parameter's window, one probed dimension
+    and one chunk at a time, checking as it goes that the loader only copies (pure: numpy arrays in).
+
+    ``add(dim, offset, values)`` takes the probe values found at window positions ``offset ...`` when
+    dimension ``dim`` was probed (``-1`` where nothing was written); dimension 0 first. A value that is not
+    a coordinate (1..n along ``dim``), a zero where other probes wrote a coordinate, or an element written
+    for one dimension's probe and not another's raises ``NotAffineError``: the loader transforms values or
+    places them by value. ``written_outside(dim, count)`` reports elements written outside the window
+    (there must be none: the window comes from dimension 0).
+    """
+
+    def __init__(
+        self,
+        tensor: str,
+        shape: tuple[int, ...],
+        rank: int,
+        *,
+        param: str,
+        param_shape: tuple[int, ...],
+        param_contiguous: bool,
+        start: int,
+        stop: int,
+    ) -> None:
+        self.tensor = tensor
+        self.shape = tuple(shape)
+        self.rank = rank
+        self.param = param
+        self.param_shape = tuple(param_shape)
+        self.param_contiguous = param_contiguous
+        self.start = start
+        self.linear = np.full(stop - start, HOLE, dtype=linear_dtype(self.shape))
+        self.strides = row_major_strides(self.shape)
+        self.done: list[int] = []  # dimensions fully added, in order
+
+    def _error(self, reason: str, found: str) -> NotAffineError:
+        limits = f"integers 1..{list(self.shape)} per dimension" if self.shape else "the value 1"
+        return NotAffineError(
+            reason, tensor=self.tensor, rank=self.rank, expected=f"probe coordinates: {limits}", found=found
+        )
+
+    def add(self, dim: int, offset: int, values: np.ndarray) -> None:
+        values = np.asarray(values).reshape(-1)
+        cur = self.linear[offset : offset + values.shape[0]]
+        if cur.shape[0] != values.shape[0]:
+            raise LayoutError(
+                "probe values run past the window",
+                tensor=self.tensor,
+                rank=self.rank,
+                expected=f"at most {self.linear.shape[0] - offset} values at offset {offset}",
+                found=values.shape[0],
+            )
+        hole = values == _EMPTY_PROBE
+        zero = values == 0
+        if dim == 0:
+            cur[zero] = FILLED
+            data = ~(hole | zero)
+        else:
+            if not np.array_equal(hole, cur == HOLE):
+                i = int(np.argmax(hole != (cur == HOLE)))
+                raise self._error(
+                    f"probing dimension {dim} wrote other elements than probing dimension 0: the loader's "
+                    "placement depends on the values (it transforms them)",
+                    f"element {self.start + offset + i} of parameter {self.param!r}",
+                )
+            if not np.array_equal(zero, cur == FILLED):
+                i = int(np.argmax(zero != (cur == FILLED)))
+                raise self._error(
+                    "the loader zeroes some probes of an element and not others: it transforms values",
+                    f"element {self.start + offset + i} of parameter {self.param!r}",
+                )
+            data = cur >= 0
+        got = values[data]
+        limit = self.shape[dim] if self.shape else 1
+        bad = (got != np.round(got)) | (got < 1) | (got > limit)
+        if bad.any():
+            i = int(np.flatnonzero(data)[int(np.argmax(bad))])
+            raise self._error(
+                "the loader transforms values (quantization, scaling, arithmetic): a probe value is not a "
+                "coordinate",
+                f"{float(values[i])} for dimension {dim} at element {self.start + offset + i} of parameter "
+                f"{self.param!r}",
+            )
+        stride = self.strides[dim] if self.shape else 0
+        term = (got.astype(self.linear.dtype) - 1) * self.linear.dtype.type(stride)
+        if dim == 0:
+            cur[data] = term
+        else:
+            cur[data] += term
+
+    def dimension_done(self, dim: int) -> None:
+        if dim != len(self.done):
+            raise LayoutError(
+                "probe dimensions out of order",
+                tensor=self.tensor,
+                rank=self.rank,
+                expected=len(self.done),
+                found=dim,
+            )
+        self.done.append(dim)
+
+    def written_outside(self, dim: int, count: int) -> None:
+        if count:
+            raise self._error(
+                f"probing dimension {dim} wrote elements outside the range probing dimension 0 wrote: the "
+                "loader's placement depends on the values (it transforms them)",
+                f"{count} elements of parameter {self.param!r}",
+            )
+
+    def landing(self) -> Landing:
+        if len(self.done) != max(len(self.shape), 1):
+            raise LayoutError(
+                "a landing was finished before every dimension was probed",
+                tensor=self.tensor,
+                rank=self.rank,
+                expected=max(len(self.shape), 1),
+                found=len(self.done),
+            )
+        return Landing(self.param, self.param_shape, self.param_contiguous, self.start, self.linear)
 
 
 @dataclass(frozen=True)
@@ -133,64 +274,46 @@ class LocalTargets:
 # ----------------------------------------------------------------------------------------------------------
 
 
-def decode_landing(
-    tensor: str, shape: tuple[int, ...], landing: Landing, rank: int
-) -> tuple[np.ndarray, np.ndarray]:
-    """The (positions, coordinates) of the elements that carry logical data, zero-filled elements dropped.
+def _chunks(n: int, size: int = CHUNK) -> Iterator[slice]:
+    for lo in range(0, n, size):
+        yield slice(lo, min(lo + size, n))
 
-    Raises ``NotAffineError`` when a value is not a coordinate of the probe (the loader transforms values)
-    or an element is written twice.
-    """
-    values = landing.values
-    ndim = len(shape)
-    if values.ndim != 2 or values.shape[1] != ndim or values.shape[0] != landing.positions.shape[0]:
-        raise LayoutError(
-            "probe observation has the wrong shape",
-            tensor=tensor,
-            rank=rank,
-            expected=f"({landing.positions.shape[0]}, {ndim}) values",
-            found=values.shape,
-        )
-    zero = values == 0
-    filled = zero.all(axis=1) if ndim else np.zeros(values.shape[0], dtype=bool)
-    if ndim and (zero.any(axis=1) & ~filled).any():
-        raise NotAffineError(
-            "the loader zeroes some probes of an element and not others: it transforms values",
-            tensor=tensor,
-            rank=rank,
-            expected="probe coordinates 1..n",
-            found=f"parameter {landing.param!r}",
-        )
-    keep = ~filled
-    positions = landing.positions[keep].astype(np.int64)
-    values = values[keep]
-    if ndim == 0:
-        return positions, np.zeros((positions.shape[0], 0), dtype=np.int64)
-    limits = np.asarray(shape, dtype=np.float64)
-    integral = np.all(values == np.round(values), axis=1)
-    inside = np.all((values >= 1) & (values <= limits), axis=1)
-    bad = ~(integral & inside)
-    if bad.any():
-        i = int(np.argmax(bad))
-        raise NotAffineError(
-            "the loader transforms values (quantization, scaling, arithmetic): a probe value is not a "
-            "coordinate",
-            tensor=tensor,
-            rank=rank,
-            expected=f"integers 1..{list(shape)} per dimension",
-            found=f"{values[i].tolist()} at element {int(positions[i])} of parameter {landing.param!r}",
-        )
-    coords = values.astype(np.int64) - 1
-    linear = np.ravel_multi_index(tuple(coords.T), shape)
-    if np.unique(linear).shape[0] != linear.shape[0]:
+
+def data_range(landing: Landing) -> tuple[int, int, int] | None:
+    """``(first, stop, count)``: window positions of the first and one past the last element that carries
+    logical data, and how many do; None when the loader only zero-filled or wrote nothing."""
+    linear = landing.linear
+    first = last = -1
+    count = 0
+    for part in _chunks(linear.shape[0]):
+        mask = linear[part] >= 0
+        k = int(np.count_nonzero(mask))
+        if not k:
+            continue
+        if first < 0:
+            first = part.start + int(np.argmax(mask))
+        last = part.start + mask.shape[0] - 1 - int(np.argmax(mask[::-1]))
+        count += k
+    return None if first < 0 else (first, last + 1, count)
+
+
+def _check_written_once(
+    tensor: str, shape: tuple[int, ...], linear: np.ndarray, rank: int, param: str
+) -> None:
+    """Raise ``NotAffineError`` when one logical element appears twice (a bitmap over the tensor)."""
+    seen = np.zeros(max(prod(shape), 1), dtype=bool)
+    total = 0
+    for part in _chunks(linear.shape[0]):
+        seen[linear[part]] = True
+        total += part.stop - part.start
+    if int(np.count_nonzero(seen)) != total:
         raise NotAffineError(
             "the loader writes one logical element to several places of one parameter",
             tensor=tensor,
             rank=rank,
             expected="each element at most once per rank",
-            found=f"parameter {landing.param!r}",
+            found=f"parameter {param!r}",
         )
-    return positions, coords
 
 
 def storage_shape(param_shape: tuple[int, ...], start: int, stop: int) -> tuple[int, ...]:
@@ -212,22 +335,52 @@ def storage_shape(param_shape: tuple[int, ...], start: int, stop: int) -> tuple[
     return best
 
 
+def _box_chunks(extent: tuple[int, ...]) -> Iterator[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """Sub-boxes ``(delta, sub_extent)`` tiling a box of ``extent`` with at most ``CHUNK`` elements each
+    (or one row of the innermost axis when that alone is larger), in row-major order."""
+    ndim = len(extent)
+    if prod(extent) <= CHUNK:
+        yield (0,) * ndim, extent
+        return
+    axis = 0
+    while axis < ndim - 1 and prod(extent[axis + 1 :]) > CHUNK:
+        axis += 1
+    inner = prod(extent[axis + 1 :])
+    step = max(CHUNK // max(inner, 1), 1)
+    outer = [range(e) for e in extent[:axis]]
+    for index in np.ndindex(*[len(r) for r in outer]) if outer else [()]:
+        for lo in range(0, extent[axis], step):
+            sub = (1,) * axis + (min(step, extent[axis] - lo),) + extent[axis + 1 :]
+            yield (*index, lo, *((0,) * (ndim - axis - 1))), sub
+
+
+def _grid(base: int, steps: Sequence[int], origin: Sequence[int], extent: Sequence[int]) -> np.ndarray:
+    """``base + Σ steps[d]·(origin[d] + k_d)`` over the box ``origin + [0, extent)``, flattened row-major."""
+    total = np.full((1,) * len(extent), base, dtype=np.int64)
+    for d, (o, e) in enumerate(zip(origin, extent, strict=True)):
+        view = [1] * len(extent)
+        view[d] = e
+        total = total + (np.arange(o, o + e, dtype=np.int64) * steps[d]).reshape(view)
+    return total.reshape(-1)
+
+
 def _pieces(
     tensor: str,
     shape: tuple[int, ...],
-    positions: np.ndarray,
-    coords: np.ndarray,
+    linear: np.ndarray,
     rank: int,
     max_pieces: int,
     *,
     dense: bool,
 ) -> list[tuple[Box, int, tuple[int, ...]]]:
-    """Greedy decomposition of a dense storage (positions 0..n-1) into affine boxes.
+    """Greedy decomposition of a dense storage (``linear[p]``: the logical linear index at storage position
+    ``p``; every element written once) into affine boxes.
 
     A box starts at an unassigned element and grows along the last dimension, then the one before, and so
-    on, as long as every element of the grown box is present, unassigned and at ``start_position +
-    Σ stride·(coordinate − origin)``. Growth gallops (doubling steps), so a box of a million rows costs a
-    few dozen checks. Two modes:
+    on, as long as every element of the grown box is at ``start_position + Σ stride·(coordinate − origin)``,
+    unassigned. Only forward lookups (position -> logical index) are needed, so nothing of the size of the
+    storage is allocated beyond one ``assigned`` bitmap, and growth gallops (doubling steps), so a box of a
+    million rows costs a few dozen checks. Two modes:
 
     - ``dense=False`` (boxes of an N-D storage, possibly transposed): start at the first unassigned element
       in logical row-major order, strides taken from its neighbours;
@@ -235,53 +388,48 @@ def _pieces(
       strides row-major of the box's own extent.
     """
     ndim = len(shape)
-    n = positions.shape[0]
+    n = linear.shape[0]
     if ndim == 0:
-        return [(Box((), ()), int(positions[0]), ())]
-    linear = np.ravel_multi_index(tuple(coords.T), shape)
-    order = np.argsort(linear, kind="stable")
-    lin_sorted = linear[order]
-    pos_sorted = positions[order]
-    coords_at = np.empty_like(coords)  # coordinate of the element at each storage position
-    coords_at[positions] = coords
+        return [(Box((), ()), 0, ())]
+    logical_strides = row_major_strides(shape)
     assigned = np.zeros(n, dtype=bool)  # indexed by storage position
-    strides_all = row_major_strides(shape)
-
-    def lookup(origin: tuple[int, ...], extent: tuple[int, ...]) -> np.ndarray | None:
-        """Storage positions of the box's elements in row-major box order, or None if one is absent."""
-        grids = np.ix_(*[np.arange(o, o + e, dtype=np.int64) for o, e in zip(origin, extent, strict=True)])
-        lin = np.zeros(extent, dtype=np.int64)
-        for d, g in enumerate(grids):
-            lin = lin + g * strides_all[d]
-        flat = lin.reshape(-1)
-        idx = np.searchsorted(lin_sorted, flat)
-        idx_clipped = np.minimum(idx, n - 1)
-        if idx.max(initial=0) >= n or not np.array_equal(lin_sorted[idx_clipped], flat):
-            return None
-        return pos_sorted[idx_clipped].reshape(extent)
+    top = np.iinfo(linear.dtype).max
 
     def fits(origin: tuple[int, ...], extent: tuple[int, ...], base: int, strides: Sequence[int]) -> bool:
-        pos = lookup(origin, extent)
-        if pos is None or assigned[pos.reshape(-1)].any():
-            return False
-        expected = np.full(extent, base, dtype=np.int64)
-        for d in range(ndim):
-            shape_d = [1] * ndim
-            shape_d[d] = extent[d]
-            expected = expected + (np.arange(extent[d], dtype=np.int64) * strides[d]).reshape(shape_d)
-        return bool(np.array_equal(pos, expected))
+        for delta, sub in _box_chunks(extent):
+            pos = _grid(base, strides, delta, sub)
+            if int(pos.min()) < 0 or int(pos.max()) >= n or assigned[pos].any():
+                return False
+            want = _grid(0, logical_strides, [o + d for o, d in zip(origin, delta, strict=True)], sub)
+            if not np.array_equal(linear[pos], want):
+                return False
+        return True
+
+    def mark(extent: tuple[int, ...], base: int, strides: Sequence[int]) -> None:
+        for delta, sub in _box_chunks(extent):
+            assigned[_grid(base, strides, delta, sub)] = True
+
+    def first_in_logical_order() -> int | None:
+        best, where = top, -1
+        for part in _chunks(n):
+            masked = np.where(assigned[part], top, linear[part])
+            i = int(np.argmin(masked))
+            if masked[i] < best:
+                best, where = int(masked[i]), part.start + i
+        return None if where < 0 else where
+
+    def position_of(target: int, after: int) -> int | None:
+        for part in _chunks(n - after - 1):
+            lo, hi = after + 1 + part.start, after + 1 + part.stop
+            hit = np.flatnonzero((linear[lo:hi] == target) & ~assigned[lo:hi])
+            if hit.size:
+                return lo + int(hit[0])
+        return None
 
     pieces: list[tuple[Box, int, tuple[int, ...]]] = []
-    cursor = 0  # next candidate start: index into lin_sorted, or a storage position when dense
-    while True:
-        if dense:
-            while cursor < n and assigned[cursor]:
-                cursor += 1
-        else:
-            while cursor < n and assigned[pos_sorted[cursor]]:
-                cursor += 1
-        if cursor == n:
-            break
+    cursor = 0  # dense mode: boxes are consecutive ranges, every position before the cursor is assigned
+    covered = 0
+    while covered < n:
         if len(pieces) == max_pieces:
             raise NotAffineError(
                 f"the loader scatters this tensor into more than {max_pieces} affine pieces (it permutes "
@@ -289,25 +437,25 @@ def _pieces(
                 tensor=tensor,
                 rank=rank,
                 expected=f"at most {max_pieces} pieces",
-                found=f"{len(pieces)} pieces covering {int(assigned.sum())} of {n} elements",
+                found=f"{len(pieces)} pieces covering {covered} of {n} elements",
             )
         if dense:
-            start = tuple(int(c) for c in coords_at[cursor])
             base = cursor
         else:
-            start = tuple(int(c) for c in np.unravel_index(int(lin_sorted[cursor]), shape))
-            base = int(pos_sorted[cursor])
+            found = first_in_logical_order()
+            if found is None:  # cannot happen: fewer than n elements are covered
+                raise LayoutError("internal error: no unassigned element left", tensor=tensor, rank=rank)
+            base = found
+        start = tuple(int(c) for c in np.unravel_index(int(linear[base]), shape))
         strides = [0] * ndim
         known = [dense] * ndim
         if not dense:
             for d in range(ndim):
                 if start[d] + 1 < shape[d]:
-                    nb = lookup(tuple(s + (1 if i == d else 0) for i, s in enumerate(start)), (1,) * ndim)
-                    if nb is not None and not assigned[int(nb.reshape(-1)[0])]:
-                        step = int(nb.reshape(-1)[0]) - base
-                        if step > 0:
-                            strides[d] = step
-                            known[d] = True
+                    nb = position_of(int(linear[base]) + logical_strides[d], base)
+                    if nb is not None:
+                        strides[d] = nb - base
+                        known[d] = True
         extent = [1] * ndim
         for d in range(ndim - 1, -1, -1):
             if dense:
@@ -331,12 +479,10 @@ def _pieces(
             if extent[d] == 1:
                 strides[d] = strides[d + 1] * extent[d + 1] if d + 1 < ndim else 1
         box = Box(start, tuple(extent))
-        pos = lookup(start, tuple(extent))
-        if pos is None:  # cannot happen: the start element is present
-            raise LayoutError(
-                "internal error: a grown box lost an element", tensor=tensor, rank=rank, box=box
-            )
-        assigned[pos.reshape(-1)] = True
+        mark(tuple(extent), base, strides)
+        covered += box.numel
+        if dense:
+            cursor += box.numel
         pieces.append((box, base, tuple(strides)))
     pieces.sort(key=lambda p: p[1])
     return pieces
@@ -354,11 +500,7 @@ def target_map(
     """This rank's part of the map of ``tensor`` (holders: this rank) and where its storage lives, or None
     when nothing of the tensor lands on this rank. Raises a ``LayoutError`` subclass naming the tensor, the
     rank and the parameter when the landing breaks the rule of the module docstring."""
-    decoded = []
-    for landing in landings:
-        positions, coords = decode_landing(tensor, shape, landing, rank)
-        if positions.shape[0]:
-            decoded.append((landing, positions, coords))
+    decoded = [(landing, found) for landing in landings if (found := data_range(landing)) is not None]
     if not decoded:
         return None
     if len(decoded) > 1:
@@ -369,7 +511,7 @@ def target_map(
             expected="one parameter",
             found=sorted(d[0].param for d in decoded),
         )
-    landing, positions, coords = decoded[0]
+    landing, (first, last, n) = decoded[0]
     if not landing.param_contiguous:
         raise UnsupportedLayoutError(
             "the parameter is not contiguous; a storage must be a contiguous range of it",
@@ -378,12 +520,8 @@ def target_map(
             expected="a contiguous parameter",
             found=f"parameter {landing.param!r}",
         )
-    order = np.argsort(positions, kind="stable")
-    positions = positions[order]
-    coords = coords[order]
-    start = int(positions[0])
-    stop = int(positions[-1]) + 1
-    n = positions.shape[0]
+    start = landing.start + first
+    stop = landing.start + last
     if stop - start != n:
         raise UnsupportedLayoutError(
             "the tensor's elements do not fill one contiguous range of the parameter (another tensor's "
@@ -401,11 +539,12 @@ def target_map(
             expected=f"at most {prod(landing.param_shape)} elements",
             found=stop,
         )
-    rel = positions - start
+    linear = landing.linear[first:last]
+    _check_written_once(tensor, shape, linear, rank, landing.param)
     reasons: list[str] = []
 
     def cut(dense: bool) -> tuple[Piece, ...]:
-        found = _pieces(tensor, shape, rel, coords, rank, max_pieces, dense=dense)
+        found = _pieces(tensor, shape, linear, rank, max_pieces, dense=dense)
         return tuple(Piece(box, off, strides, (rank,)) for box, off, strides in found)
 
     attempts: list[tuple[tuple[int, ...], tuple[Piece, ...]]] = []
@@ -470,6 +609,53 @@ def fallback_map(tensor: str, shape: tuple[int, ...], dtype: str, rank: int) -> 
     return TensorMap(tensor, tuple(shape), dtype, {rank: storage}), StorageView(None, 0, tuple(shape))
 
 
+class TargetsBuilder:
+    """One rank's part of every target map, a tensor at a time, so that a tensor's landings can be dropped
+    as soon as its map is built (the probe of a whole model never holds more than one tensor's landings).
+
+    ``add(name, shape, dtype, landings, error)``: ``dtype`` is that of the parameter the tensor lands in;
+    ``error`` the message of a loader that raised while probing (the tensor is refused). A tensor with no
+    landing and no error is absent from this rank.
+    """
+
+    def __init__(self, rank: int, *, fallback_dtype: str, max_pieces: int = DEFAULT_MAX_PIECES) -> None:
+        self.rank = rank
+        self.fallback_dtype = fallback_dtype
+        self.max_pieces = max_pieces
+        self.maps: dict[str, TensorMap] = {}
+        self.views: dict[str, StorageView] = {}
+        self.refused: dict[str, str] = {}
+        self.absent: list[str] = []
+
+    def add(
+        self,
+        name: str,
+        shape: tuple[int, ...],
+        dtype: str,
+        landings: Sequence[Landing] = (),
+        error: str | None = None,
+    ) -> None:
+        reason = error
+        if reason is None:
+            try:
+                got = target_map(name, shape, dtype, landings, self.rank, max_pieces=self.max_pieces)
+            except LayoutError as exc:
+                reason = str(exc)
+            else:
+                if got is None:
+                    self.absent.append(name)
+                else:
+                    self.maps[name], self.views[name] = got
+                return
+        self.refused[name] = reason
+        self.maps[name], self.views[name] = fallback_map(name, shape, self.fallback_dtype, self.rank)
+
+    def build(self) -> LocalTargets:
+        return LocalTargets(
+            self.rank, dict(self.maps), dict(self.views), dict(self.refused), tuple(self.absent)
+        )
+
+
 def local_targets(
     rank: int,
     tensors: Mapping[str, tuple[tuple[int, ...], str]],
@@ -479,29 +665,8 @@ def local_targets(
     fallback_dtype: str,
     max_pieces: int = DEFAULT_MAX_PIECES,
 ) -> LocalTargets:
-    """One rank's part of every target map.
-
-    ``tensors[name] = (shape, dtype of the parameter it lands in)``; ``landings[name]`` are the probe's
-    observations; ``probe_errors[name]`` the message of a loader that raised while probing (refused). A
-    tensor with no landing and no error is absent from this rank.
-    """
-    maps: dict[str, TensorMap] = {}
-    views: dict[str, StorageView] = {}
-    refused: dict[str, str] = {}
-    absent: list[str] = []
+    """One rank's part of every target map (``TargetsBuilder`` over ``tensors[name] = (shape, dtype)``)."""
+    builder = TargetsBuilder(rank, fallback_dtype=fallback_dtype, max_pieces=max_pieces)
     for name, (shape, dtype) in tensors.items():
-        reason = probe_errors.get(name)
-        if reason is None:
-            try:
-                got = target_map(name, shape, dtype, landings.get(name, ()), rank, max_pieces=max_pieces)
-            except LayoutError as exc:
-                reason = str(exc)
-            else:
-                if got is None:
-                    absent.append(name)
-                else:
-                    maps[name], views[name] = got
-                continue
-        refused[name] = reason
-        maps[name], views[name] = fallback_map(name, shape, fallback_dtype, rank)
-    return LocalTargets(rank, maps, views, refused, tuple(absent))
+        builder.add(name, shape, dtype, landings.get(name, ()), probe_errors.get(name))
+    return builder.build()

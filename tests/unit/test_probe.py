@@ -21,7 +21,9 @@ from rollout_sync.errors import NotAffineError, UnsupportedLayoutError
 from rollout_sync.layout.box import Box
 from rollout_sync.rollout.codec import local_targets_from_dict, local_targets_to_dict
 from rollout_sync.rollout.probe import (
+    FILLED,
     Landing,
+    LandingBuilder,
     StorageView,
     fallback_map,
     local_targets,
@@ -32,8 +34,17 @@ from rollout_sync.rollout.probe import (
 Loader = Callable[[dict[str, np.ndarray], np.ndarray], None]
 
 
-def probe(shape: tuple[int, ...], params: dict[str, tuple[int, ...]], loader: Loader) -> list[Landing]:
-    """Run the probe protocol against a simulated loader; the landings it would observe."""
+def probe(
+    shape: tuple[int, ...],
+    params: dict[str, tuple[int, ...]],
+    loader: Loader,
+    *,
+    chunk: int = 5,
+    tensor: str = "t",
+    rank: int = 0,
+) -> list[Landing]:
+    """Run the probe protocol against a simulated loader, feeding ``LandingBuilder`` a few elements at a
+    time as ``vllm_plugin.probing`` feeds it chunks; the landings it would observe."""
     per_dim = []
     for dim in range(max(len(shape), 1)):
         bufs = {n: np.full(s, -1.0) for n, s in params.items()}
@@ -47,12 +58,21 @@ def probe(shape: tuple[int, ...], params: dict[str, tuple[int, ...]], loader: Lo
         per_dim.append({n: b.reshape(-1) for n, b in bufs.items()})
     landings = []
     for name, pshape in params.items():
-        written = np.nonzero(per_dim[0][name] != -1)[0]
-        if written.size:
-            values = (
-                np.stack([d[name][written] for d in per_dim], axis=1) if shape else np.ones((written.size, 0))
-            )
-            landings.append(Landing(name, pshape, True, written.astype(np.int64), values))
+        written = np.flatnonzero(per_dim[0][name] != -1)
+        if not written.size:
+            assert all(not (d[name] != -1).any() for d in per_dim)
+            continue
+        lo, hi = int(written[0]), int(written[-1]) + 1
+        builder = LandingBuilder(
+            tensor, shape, rank, param=name, param_shape=pshape, param_contiguous=True, start=lo, stop=hi
+        )
+        for dim, seen in enumerate(per_dim):
+            flat = seen[name]
+            for at in range(lo, hi, chunk):
+                builder.add(dim, at - lo, flat[at : min(at + chunk, hi)])
+            builder.written_outside(dim, int((flat[:lo] != -1).sum() + (flat[hi:] != -1).sum()))
+            builder.dimension_done(dim)
+        landings.append(builder.landing())
     return landings
 
 
@@ -203,7 +223,7 @@ def test_a_loader_that_scales_values_is_refused_as_transforming():
         p["w"][:] = w * 2
 
     with pytest.raises(NotAffineError, match="transforms values") as err:
-        target_map("model.norm.weight", (16, 4), "bfloat16", probe((16, 4), {"w": (16, 4)}, loader), 3)
+        probe((16, 4), {"w": (16, 4)}, loader, tensor="model.norm.weight", rank=3)
     assert err.value.tensor == "model.norm.weight" and err.value.rank == 3
 
 
@@ -239,11 +259,12 @@ def test_local_targets_stage_a_refused_tensor_whole_and_report_it_by_name():
         p["norm"][:] = w
 
     def bad(p, w):
-        p["w"][:] = w + 0.5
+        p["w"][:] = w
+        p["w2"][:] = w
 
     landings = {
         "model.norm.weight": probe((8,), {"norm": (8,)}, good),
-        "model.embed.weight": probe((4, 2), {"w": (4, 2)}, bad),
+        "model.embed.weight": probe((4, 2), {"w": (4, 2), "w2": (4, 2)}, bad),
     }
     tensors = {
         "model.norm.weight": ((8,), "bfloat16"),
@@ -252,7 +273,7 @@ def test_local_targets_stage_a_refused_tensor_whole_and_report_it_by_name():
     }
     out = local_targets(5, tensors, landings, {"x": "ValueError: loader raised"}, fallback_dtype="bfloat16")
     assert set(out.refused) == {"model.embed.weight", "x"}
-    assert "transforms values" in out.refused["model.embed.weight"]
+    assert "several parameters" in out.refused["model.embed.weight"]
     assert out.views["model.embed.weight"] == StorageView(None, 0, (4, 2))
     assert out.maps["model.embed.weight"] == fallback_map("model.embed.weight", (4, 2), "bfloat16", 5)[0]
     assert out.views["model.norm.weight"] == StorageView("norm", 0, (8,))
@@ -358,3 +379,52 @@ def test_a_layout_with_transposed_boxes_gives_a_matching_map_or_a_clear_refusal(
         check_against_loader(shape, params, loader)
     except NotAffineError as exc:
         assert exc.tensor == "t" and "storage shape" in exc.reason
+
+
+# ---------------------------------------------------------------------------------------------- scale
+
+
+def test_a_vocab_shard_of_millions_of_rows_is_decoded_in_bounded_memory():
+    # A padded vocab shard: logical [2 * rows, 64], rank 1 stores rows rows:2*rows in a [rows + 8, 64]
+    # parameter, the last 8 rows zero-filled. The window is 4 bytes an element; the decode must not
+    # allocate per-element coordinate arrays (8-16 bytes an element, per dimension), only bitmaps
+    # (a byte per element of the tensor and of the window) and chunk-sized temporaries.
+    import tracemalloc
+
+    rows, cols = 2**18, 64  # 16.8M elements in the shard, eight CHUNKs
+    shape = (2 * rows, cols)
+    linear = np.empty((rows + 8) * cols, dtype=np.int32)
+    linear[: rows * cols] = np.arange(rows * cols, 2 * rows * cols, dtype=np.int32)
+    linear[rows * cols :] = FILLED
+    landing = Landing("embed", (rows + 8, cols), True, 0, linear)
+    tracemalloc.start()
+    try:
+        got = target_map("model.embed_tokens.weight", shape, "bfloat16", [landing], 1)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert got is not None
+    tmap, view = got
+    assert view == StorageView("embed", 0, (rows, cols))
+    assert [p.box for p in tmap.ranks[1].pieces] == [Box((rows, 0), (rows, cols))]
+    assert peak < 1.5 * linear.nbytes, f"peak {peak} bytes for a {linear.nbytes}-byte window"
+
+
+def test_a_loader_that_places_by_value_is_caught_between_probed_dimensions():
+    # Writes the probe into row 0 or row 1 depending on its first value: dimension 0 and 1 disagree.
+    def loader(p, w):
+        row = 0 if w.reshape(-1)[1] == 1 else 1
+        p["w"][row] = w[0]
+
+    with pytest.raises(NotAffineError, match="placement depends on the values"):
+        probe((1, 4), {"w": (2, 4)}, loader)
+
+
+def test_a_transformed_value_in_a_later_chunk_is_named_by_its_position():
+    def loader(p, w):
+        p["w"][:] = w
+        p["w"][3, 1] = 0.5
+
+    with pytest.raises(NotAffineError, match="transforms values") as err:
+        probe((4, 4), {"w": (4, 4)}, loader, chunk=3)
+    assert "element 13" in str(err.value)
