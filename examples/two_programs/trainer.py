@@ -1,0 +1,102 @@
+"""The trainer program: a DeepSpeed job that syncs its weights into a vLLM engine in another program.
+
+Run it under a launcher that starts one process per rank and sets ``RANK``, ``WORLD_SIZE``,
+``MASTER_ADDR``, ``MASTER_PORT`` (``torchrun``, or ``deepspeed`` on a machine with accelerators)::
+
+    export ROLLOUT_SYNC_TOKEN=$(python -c 'import secrets; print(secrets.token_hex(16))')
+    python -m torch.distributed.run --nproc-per-node 2 examples/two_programs/trainer.py \\
+        --model /tmp/tiny-dense --address tcp://127.0.0.1:29700 --steps 2 --verify-dir /tmp/verify
+
+Every rank builds its DeepSpeed engine (ZeRO-3 by default) and attaches rollout-sync: trainer rank 0 runs
+the coordinator on ``--address``, and ``attach`` returns once the rollout program's workers have joined.
+Each optimizer step then syncs (inside ``engine.step()``). The training step here is a language-model step
+on random tokens: the point is the weight movement, the loss is a stand-in for an RL objective.
+
+With ``--verify-dir``, after each sync the trainer's weights, gathered by DeepSpeed itself (not through
+rollout-sync's maps), are written as a checkpoint ``v{version}/`` and marked done (``v{version}.done``); the
+rollout program writes that checkpoint into vLLM and checks that no bit changes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", required=True, help="checkpoint directory (python -m rollout_sync.testing)")
+    ap.add_argument("--address", required=True, help="the coordinator's address, tcp://HOST:PORT")
+    ap.add_argument("--engines", type=int, default=1, help="how many vLLM engines take part")
+    ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--zero", type=int, default=3, choices=(0, 1, 2, 3), help="ZeRO stage")
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for the rollout program")
+    ap.add_argument("--verify-dir", default=None, help="write the trainer's weights here after each sync")
+    return ap.parse_args(argv)
+
+
+def write_verification(engine: Any, rank: int, model: str, out: Path, version: int) -> None:
+    """The weights as DeepSpeed gathers them (collective), saved by rank 0, then the done marker."""
+    from rollout_sync.testing.checkpoints import full_logical_tensors, save_checkpoint
+
+    full = full_logical_tensors(engine)
+    if rank == 0:
+        save_checkpoint(full, model, out / f"v{version}")
+        (out / f"v{version}.done").write_text(json.dumps(sorted(full)))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    os.environ["DS_ACCELERATOR"] = "cpu"
+    import torch
+    import torch.distributed as dist
+
+    from rollout_sync.sync.trainer import TrainerSync
+    from rollout_sync.testing.deepspeed import (
+        DeepSpeedSpec,
+        build_engine,
+        init_distributed_from_env,
+        train_step,
+    )
+
+    torch.set_num_threads(1)
+    init_distributed_from_env()
+    rank = dist.get_rank()
+    engine = build_engine(DeepSpeedSpec("dense", args.zero, lr=args.lr), args.model)
+    started = time.perf_counter()
+    sync = TrainerSync.attach(engine, address=args.address, engines=args.engines, timeout=args.timeout)
+    joined_s = time.perf_counter() - started
+    if rank == 0:
+        print(f"[trainer] rollout program joined; plan ready after {joined_s:.1f} s", flush=True)
+    out = Path(args.verify_dir) if args.verify_dir else None
+    if out is not None and rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+    steps = []
+    for step in range(1, args.steps + 1):
+        loss = train_step(engine, seed=step)  # engine.step() inside syncs (the hook)
+        last = sync.last
+        if last is None or len(sync.history) != step:
+            raise RuntimeError(f"step {step} did not sync (history {len(sync.history)})")
+        if out is not None:
+            write_verification(engine, rank, args.model, out, last.version)
+        steps.append({"step": step, "loss": loss, "version": last.version, "sync_s": last.seconds})
+        if rank == 0:
+            print(
+                f"[trainer] step {step}: loss {loss:.4f}, synced v{last.version} in {last.seconds * 1000:.0f} ms",
+                flush=True,
+            )
+    sync.detach()
+    if rank == 0:
+        print(json.dumps({"trainer": steps}), flush=True)
+    dist.barrier()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
