@@ -85,6 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     engine_env(args.tp)
     from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
 
     from rollout_sync.sync.endpoint import resolve_token
     from vllm_plugin.driver import receive_sync, setup_engines
@@ -116,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     for _ in range(args.steps):
         reports = receive_sync([llm])[0]  # blocks until the trainer ranks have sent this sync
         version = int(reports[0]["version"])
-        outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], greedy, use_tqdm=False)
+        outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in PROMPTS], greedy, use_tqdm=False)
         row: dict[str, Any] = {
             "version": version,
             "weight_version": llm.get_weight_version(),
