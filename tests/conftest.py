@@ -8,9 +8,10 @@ absent. ``vllm`` / ``deepspeed`` tests are skipped, with the reason, when that p
 Fixtures:
 - ``tiny_model(kind="dense", seed=0) -> Path``: a tiny checkpoint (``rollout_sync.testing.tiny_models``),
   built once per session (or once per machine with ``ROLLOUT_SYNC_TEST_CACHE=<dir>``).
-- ``vllm_pool``: the session's ``VllmEnginePool``; ``vllm_pool.get(vllm_spec(path, tp, ...))`` returns a
-  shared running engine. All engines are shut down at the end of the session, and a process left behind
-  fails the run.
+- ``vllm_pool``: the session's ``VllmEnginePool``; ``vllm_pool.get(shared_spec(path, tp))`` returns a
+  shared running engine, ``vllm_pool.restore(engine)`` puts its start weights back after a test changed
+  them. The modules that use it run last, in ``ENGINE_MODULE_ORDER``, so that consecutive modules reuse
+  engines. All engines are shut down at the end of the session, and a process left behind fails the run.
 
 Harness timings (model builds, engine start-ups) are printed in the terminal summary. A process that a
 test started and that is still alive when the session ends is listed, killed, and fails the run.
@@ -40,7 +41,36 @@ def _cuda_available() -> bool:
     return bool(torch.cuda.is_available())
 
 
+#: Modules that use the shared vLLM engines, in the order that lets consecutive modules reuse them (pool
+#: capacity 2; see each module for its engines). They run after every other test, in this order.
+ENGINE_MODULE_ORDER = (
+    "tests/smoke/test_vllm_smoke.py",  # dense seed 0, TP 2
+    "tests/e2e/test_e2e_weight_transfer.py",  # dense seed 0, TP 2
+    "tests/e2e/test_e2e_sync.py",  # dense seed 0, TP 2; then MoE seed 0, TP 2
+    "tests/vllm/test_rollout_apply.py",  # MoE seeds 0 and 1, TP 2; then dense seeds 0 and 1, TP 1
+    "tests/vllm/test_rollout_backend.py",  # MoE seed 1, TP 2, expert parallel
+    "tests/vllm/test_dry_run_matches_live_rollout.py",  # the same EP engine; then dense-tied seed 0, TP 2
+    "tests/vllm/test_rollout_engines.py",  # dense-tied seeds 0 and 1, TP 2
+)
+
+
+def _order_engine_modules(config: pytest.Config, items: list[pytest.Item]) -> None:
+    root = Path(str(config.rootpath))
+    rank = {name: i + 1 for i, name in enumerate(ENGINE_MODULE_ORDER)}
+
+    def key(pair: tuple[int, pytest.Item]) -> tuple[int, int]:
+        index, item = pair
+        try:
+            module = Path(str(item.path)).relative_to(root).as_posix()
+        except ValueError:
+            module = ""
+        return rank.get(module, 0), index
+
+    items[:] = [item for _, item in sorted(enumerate(items), key=key)]
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    _order_engine_modules(config, items)
     needs = {
         "gpu": (_cuda_available, "needs CUDA, which this machine does not have"),
         "vllm": (lambda: importlib.util.find_spec("vllm") is not None, "vLLM is not installed"),
@@ -136,7 +166,7 @@ def vllm_pool() -> Iterator[object]:
     """The session's pool of running vLLM CPU engines (see ``tests/harness/vllm_engines.py``)."""
     from tests.harness.vllm_engines import VllmEnginePool
 
-    pool = VllmEnginePool(capacity=int(os.environ.get("ROLLOUT_SYNC_TEST_VLLM_ENGINES", "1")))
+    pool = VllmEnginePool(capacity=int(os.environ.get("ROLLOUT_SYNC_TEST_VLLM_ENGINES", "2")))
     try:
         yield pool
     finally:

@@ -15,7 +15,6 @@ from tests.vllm.rollout_checks import Snapshot, differing_params, snapshot
 from vllm_plugin.driver import apply_checkpoint, receive_sync, setup_engines
 
 TOKEN = "e2e-token"
-EXTENSION = "vllm_plugin.extension.RolloutSyncExtension"
 TRAINER_ENV = {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
 
 
@@ -99,9 +98,9 @@ def check_steps(run: E2ERun) -> None:
 
 
 def fresh_engine_snapshot(pool: Any, checkpoint: Path, tp: int, **kwargs: Any) -> Snapshot:
-    from tests.harness.vllm_engines import vllm_spec
+    from tests.harness.vllm_engines import shared_spec
 
-    fresh = pool.get(vllm_spec(checkpoint, tp, worker_extension_cls=EXTENSION, **kwargs))
+    fresh = pool.get(shared_spec(checkpoint, tp, **kwargs))
     try:
         return snapshot(fresh)
     finally:

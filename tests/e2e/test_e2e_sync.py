@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 
 from rollout_sync.testing.deepspeed import DeepSpeedSpec
-from tests.e2e.e2e_steps import EXTENSION, check_steps, fresh_engine_snapshot, run_sync_steps
-from tests.harness.vllm_engines import vllm_spec
+from tests.e2e.e2e_steps import check_steps, fresh_engine_snapshot, run_sync_steps
+from tests.harness.vllm_engines import shared_spec
 from tests.vllm.rollout_checks import differing_params
 
 pytestmark = [pytest.mark.vllm, pytest.mark.deepspeed]
@@ -29,8 +29,11 @@ def test_zero2_replicas_sync_with_the_balanced_policy_spreading_sends_over_both_
     tiny_model: Any, vllm_pool: Any, tmp_path: Path
 ):
     model = tiny_model("dense")
-    engine = vllm_pool.get(vllm_spec(model, 2, worker_extension_cls=EXTENSION))
-    run = run_sync_steps(engine, DeepSpeedSpec("dense", 2), model, tmp_path, policy="balanced")
+    engine = vllm_pool.get(shared_spec(model, 2))
+    try:
+        run = run_sync_steps(engine, DeepSpeedSpec("dense", 2), model, tmp_path, policy="balanced")
+    finally:
+        vllm_pool.restore(engine)
     check_steps(run)
     sent = [sum(t["sync"]["stats"]["bytes_sent"].values()) for t in run.steps[-1].trainer]
     assert min(sent) > 0.3 * max(sent), (
@@ -42,11 +45,11 @@ def test_zero3_on_two_ranks_syncs_into_a_tp2_engine_after_every_step(
     tiny_model: Any, vllm_pool: Any, tmp_path: Path
 ):
     model = tiny_model("dense")
-    engine = vllm_pool.get(vllm_spec(model, 2, worker_extension_cls=EXTENSION))
+    engine = vllm_pool.get(shared_spec(model, 2))
     try:
         run = run_sync_steps(engine, DeepSpeedSpec("dense", 3), model, tmp_path)
     finally:
-        vllm_pool.discard(engine)
+        vllm_pool.restore(engine)
     assert run.ranks == [0, 1]
     check_steps(run)
     _check_against_fresh(vllm_pool, run)
@@ -56,10 +59,10 @@ def test_autoep2_experts_sync_into_a_tp2_moe_engine_after_every_step(
     tiny_model: Any, vllm_pool: Any, tmp_path: Path
 ):
     model = tiny_model("moe")
-    engine = vllm_pool.get(vllm_spec(model, 2, worker_extension_cls=EXTENSION))
+    engine = vllm_pool.get(shared_spec(model, 2))
     try:
         run = run_sync_steps(engine, DeepSpeedSpec("moe", 3, autoep_size=2), model, tmp_path)
     finally:
-        vllm_pool.discard(engine)
+        vllm_pool.restore(engine)
     check_steps(run)
     _check_against_fresh(vllm_pool, run)

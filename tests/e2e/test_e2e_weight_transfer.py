@@ -13,22 +13,18 @@ import pytest
 from rollout_sync.testing.deepspeed import DeepSpeedSpec
 from rollout_sync.testing.rank_pool import RankPool, free_port
 from rollout_sync.testing.trainer_ranks import attach, setup, train_step
-from tests.e2e.e2e_steps import EXTENSION, TOKEN, TRAINER_ENV, save_checkpoint
-from tests.harness.vllm_engines import start_vllm_engine, vllm_spec
+from tests.e2e.e2e_steps import TOKEN, TRAINER_ENV, save_checkpoint
+from tests.harness.vllm_engines import shared_spec
 from vllm_plugin.driver import apply_checkpoint
 
 pytestmark = [pytest.mark.vllm, pytest.mark.deepspeed]
 
 
 def test_vllms_weight_transfer_api_receives_each_sync_and_sets_the_weight_version(
-    tiny_model: Any, tmp_path: Path
+    tiny_model: Any, vllm_pool: Any, tmp_path: Path
 ):
     model = tiny_model("dense")
-    spec = vllm_spec(model, 2, worker_extension_cls=EXTENSION)
-    spec = type(spec)(
-        **{**spec.__dict__, "engine_kwargs": (("weight_transfer_config", {"backend": "rollout_sync"}),)}
-    )
-    engine = start_vllm_engine(spec)
+    engine = vllm_pool.get(shared_spec(model, 2))  # started with weight_transfer_config rollout_sync
     llm = engine.llm
     try:
         with RankPool(2, env=TRAINER_ENV, timeout=600) as pool:
@@ -53,4 +49,4 @@ def test_vllms_weight_transfer_api_receives_each_sync_and_sets_the_weight_versio
         after = engine.collective_rpc("rollout_sync_param_digests")
         assert before == after, "the engine did not hold exactly the trainer's weights after the last sync"
     finally:
-        engine.shutdown()
+        vllm_pool.restore(engine)

@@ -18,11 +18,14 @@ Real vLLM CPU engines (``vllm_engines``; mark the test ``@pytest.mark.vllm``)::
 
     @pytest.fixture(scope="module")
     def engine(vllm_pool, tiny_model):
-        return vllm_pool.get(vllm_spec(tiny_model("dense"), 2, worker_extension_cls="pkg.mod.Ext"))
+        return vllm_pool.get(shared_spec(tiny_model("dense"), 2))   # the test extension (vllm_ext.py)
 
     engine.generate_greedy(DEFAULT_PROMPTS, max_tokens=12)   # list of token-id lists
-    engine.collective_rpc("ext_method", args=(...))          # one result per worker, in rank order
-    vllm_pool.discard(engine)                                # after changing its weights for good
+    engine.collective_rpc("rs_harness_ranks")                # one result per worker, in rank order
+    vllm_pool.restore(engine)                                # after changing its weights
+    vllm_pool.discard(engine)                                # after breaking it
+
+A module that uses the pool is added to ``ENGINE_MODULE_ORDER`` in ``tests/conftest.py``.
 
 ``ranks.run_on_ranks(fn, world_size, *args)`` runs ``fn(rank, world_size, group, *args)`` on spawned gloo
 ranks (see its module docstring).

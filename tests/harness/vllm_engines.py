@@ -2,9 +2,13 @@
 
 An engine start costs 20-70 s here, so tests share engines through a ``VllmEnginePool`` (one per pytest
 session, see ``tests/conftest.py``): ``pool.get(spec)`` returns the running engine for an equal spec, or
-starts one, first shutting down the least recently used engine when the pool is full (default capacity 1,
-``ROLLOUT_SYNC_TEST_VLLM_ENGINES`` to change it). A test that changes an engine's weights and does not
-restore them calls ``pool.discard(engine)``, so that the next user gets a fresh engine.
+starts one, first shutting down the least recently used engine when the pool is full (default capacity 2,
+``ROLLOUT_SYNC_TEST_VLLM_ENGINES`` to change it). Most tests use ``shared_spec(model, tp)`` (one test
+extension, ``tests/harness/vllm_ext.py``), so tests of one model and TP size share an engine, and
+``tests/conftest.py`` orders the engine test modules so that consecutive modules reuse engines. A test
+that changes an engine's weights calls ``pool.restore(engine)`` (writes the start checkpoint back through
+the maps and keeps the engine only if every parameter then equals its start digest, else shuts it down)
+or ``pool.discard(engine)``, so that the next user gets an engine as started.
 
 Facts this module encodes (``/work/shared/notes/vllm-on-cpu.md``):
 - vLLM spawns its engine core and workers; the worker extension must be importable there, so the repo root
@@ -33,6 +37,7 @@ from typing import Any
 import psutil
 
 from tests.harness import timings
+from vllm_plugin.registration import BACKEND
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -57,6 +62,16 @@ class LeftoverProcessError(RuntimeError):
 
 
 @dataclass(frozen=True)
+class FrozenArg:
+    """A mapping engine argument (``weight_transfer_config={...}``) kept hashable inside a spec."""
+
+    items: tuple[tuple[str, Any], ...]
+
+    def thaw(self) -> dict[str, Any]:
+        return dict(self.items)
+
+
+@dataclass(frozen=True)
 class VllmEngineSpec:
     """Everything that makes two engines interchangeable. Equal specs share one engine in a pool.
 
@@ -76,13 +91,14 @@ class VllmEngineSpec:
 
     def llm_kwargs(self) -> dict[str, Any]:
         kwargs: dict[str, Any] = dict(CPU_ENGINE_DEFAULTS)
+        overrides = {k: v.thaw() if isinstance(v, FrozenArg) else v for k, v in self.engine_kwargs}
         kwargs["model"] = self.model
         kwargs["tensor_parallel_size"] = self.tensor_parallel_size
         if self.worker_extension_cls is not None:
             kwargs["worker_extension_cls"] = self.worker_extension_cls
         if self.enable_expert_parallel:
             kwargs["enable_expert_parallel"] = True
-        kwargs.update(dict(self.engine_kwargs))
+        kwargs.update(overrides)
         return kwargs
 
 
@@ -103,9 +119,28 @@ def vllm_spec(
         tensor_parallel_size=tp,
         worker_extension_cls=worker_extension_cls,
         enable_expert_parallel=enable_expert_parallel,
-        engine_kwargs=tuple(sorted(engine_kwargs.items())),
+        engine_kwargs=tuple(
+            sorted(
+                (k, FrozenArg(tuple(sorted(v.items()))) if isinstance(v, dict) else v)
+                for k, v in engine_kwargs.items()
+            )
+        ),
         extra_pythonpath=tuple(str(p) for p in extra_pythonpath),
     )
+
+
+#: vLLM's weight-transfer API with this project's backend (``vllm_plugin.weight_transfer``).
+WEIGHT_TRANSFER_CONFIG: Mapping[str, Any] = {"backend": BACKEND}
+
+
+def shared_spec(model: str | os.PathLike[str], tp: int = 1, **engine_kwargs: Any) -> VllmEngineSpec:
+    """The spec tests use unless they need something else: the test extension (the product's extension
+    plus test tools, ``tests/harness/vllm_ext.py``) and the weight-transfer backend, so that every test of
+    one model and TP size shares one engine."""
+    from tests.harness.vllm_ext import TEST_EXTENSION
+
+    engine_kwargs.setdefault("weight_transfer_config", dict(WEIGHT_TRANSFER_CONFIG))
+    return vllm_spec(model, tp, worker_extension_cls=TEST_EXTENSION, **engine_kwargs)
 
 
 def omp_threads_bind(tp: int, cpus: Sequence[int] | None = None) -> str:
@@ -177,6 +212,8 @@ class VllmEngine:
     startup_s: float
     pids: frozenset[int]
     closed: bool = field(default=False)
+    #: Every worker's parameter digests right after the start (``VllmEnginePool.restore`` compares).
+    start_digests: list[dict[str, str]] | None = None
 
     def generate_greedy(
         self, prompts: Sequence[Sequence[int]] = DEFAULT_PROMPTS, max_tokens: int = 12
@@ -242,6 +279,22 @@ def _wait_gone(pids: frozenset[int], timeout_s: float) -> list[int]:
     return [p.pid for p in alive if _is_running(p.pid)]
 
 
+def _restorable(spec: VllmEngineSpec) -> bool:
+    """Engines with the test extension (or a subclass of it) can have their start weights written back."""
+    if spec.worker_extension_cls is None:
+        return False
+    import importlib
+
+    module, _, name = spec.worker_extension_cls.rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError):
+        return False
+    from tests.harness.vllm_ext import TestWorkerExtension
+
+    return isinstance(cls, type) and issubclass(cls, TestWorkerExtension)
+
+
 def start_vllm_engine(spec: VllmEngineSpec) -> VllmEngine:
     """Start one engine for ``spec`` (blocking, 20-70 s on 2 cores) and record the processes it started."""
     with _patched_environ(_engine_environ(spec)):
@@ -280,7 +333,38 @@ class VllmEnginePool:
         engine = start_vllm_engine(spec)
         self._engines[spec] = engine
         self.started.append((spec, engine.startup_s))
+        if _restorable(spec):
+            engine.start_digests = [dict(d) for d in engine.collective_rpc("rollout_sync_param_digests")]
         return engine
+
+    def restore(self, engine: VllmEngine) -> bool:
+        """After a test changed ``engine``'s weights: write the checkpoint it was started from back through
+        its maps (test loaders restored, targets probed again, derived copies rebuilt, prefix cache reset)
+        and keep it for the next test if every worker's parameters then equal, bit for bit, what they held
+        right after the start; otherwise (no digests, a failed call, a differing digest) shut it down.
+        Returns whether it was kept. Cheaper than a restart (about a second against 30-40 s)."""
+        if engine.closed or self._engines.get(engine.spec) is not engine or engine.start_digests is None:
+            self.discard(engine)
+            return False
+        started = time.perf_counter()
+        try:
+            engine.collective_rpc("rs_rollout_test_restore_loaders")
+            engine.collective_rpc("rollout_sync_setup")
+            engine.collective_rpc("rollout_sync_apply_checkpoint", args=(engine.spec.model, None))
+            engine.llm.reset_prefix_cache()
+            digests = [dict(d) for d in engine.collective_rpc("rollout_sync_param_digests")]
+        except Exception:
+            digests = None
+        kept = digests == engine.start_digests
+        kind = Path(engine.spec.model).name
+        timings.record(
+            f"vLLM engine restore ({'kept' if kept else 'differs: discarded'}): {kind}, "
+            f"TP {engine.spec.tensor_parallel_size}",
+            time.perf_counter() - started,
+        )
+        if not kept:
+            self.discard(engine)
+        return kept
 
     def discard(self, engine: VllmEngine) -> None:
         """Shut ``engine`` down now (its weights or state were changed); the next ``get`` starts afresh."""

@@ -5,15 +5,14 @@ from __future__ import annotations
 
 import pytest
 
-from tests.harness.vllm_engines import DEFAULT_PROMPTS, VllmEngine, omp_threads_bind, vllm_spec
-from tests.harness.vllm_ext import HARNESS_EXTENSION
+from tests.harness.vllm_engines import DEFAULT_PROMPTS, VllmEngine, omp_threads_bind, shared_spec
 
 pytestmark = pytest.mark.vllm
 
 
 @pytest.fixture(scope="module")
 def engine(vllm_pool, tiny_model) -> VllmEngine:
-    return vllm_pool.get(vllm_spec(tiny_model("dense"), 2, worker_extension_cls=HARNESS_EXTENSION))
+    return vllm_pool.get(shared_spec(tiny_model("dense"), 2))
 
 
 def test_greedy_generation_at_tp2_gives_the_same_tokens_twice(engine):

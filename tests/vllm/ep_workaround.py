@@ -12,9 +12,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from tests.vllm.rollout_ext import RolloutTestExtension
+from tests.harness.vllm_engines import VllmEngineSpec, shared_spec
+from tests.harness.vllm_ext import TestWorkerExtension
 
 EP_WORKAROUND_EXTENSION = "tests.vllm.ep_workaround.EPWorkaroundExtension"
+
+
+def ep_spec(model: Any) -> VllmEngineSpec:
+    """The expert-parallel TP-2 engine the EP tests share (with the workaround extension)."""
+    spec = shared_spec(model, 2, enable_expert_parallel=True)
+    return type(spec)(**{**spec.__dict__, "worker_extension_cls": EP_WORKAROUND_EXTENSION})
 
 
 def install() -> None:
@@ -40,5 +47,5 @@ def install() -> None:
 install()
 
 
-class EPWorkaroundExtension(RolloutTestExtension):
+class EPWorkaroundExtension(TestWorkerExtension):
     """The rollout test extension, in workers where the EP workaround above is installed."""

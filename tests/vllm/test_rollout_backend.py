@@ -22,8 +22,7 @@ from typing import Any
 import pytest
 
 from rollout_sync.rollout.targets import RolloutTargets
-from tests.harness.vllm_engines import start_vllm_engine, vllm_spec
-from tests.vllm.ep_workaround import EP_WORKAROUND_EXTENSION
+from tests.vllm.ep_workaround import ep_spec
 from tests.vllm.rollout_checks import Snapshot, builder_differences, differing_params, snapshot
 from vllm_plugin.driver import setup_engines
 from vllm_plugin.registration import BACKEND
@@ -50,17 +49,9 @@ def _update(llm: Any, checkpoint: Path, version: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def run(tiny_model: Any) -> Iterator[Run]:
+def run(tiny_model: Any, vllm_pool: Any) -> Iterator[Run]:
     a, b = tiny_model("moe", 0), tiny_model("moe", 1)
-    engine = start_vllm_engine(
-        vllm_spec(
-            b,
-            2,
-            worker_extension_cls=EP_WORKAROUND_EXTENSION,
-            enable_expert_parallel=True,
-            weight_transfer_config={"backend": BACKEND},
-        )
-    )
+    engine = vllm_pool.get(ep_spec(b))  # weight_transfer_config backend rollout_sync
     try:
         llm = engine.llm
         fresh = snapshot(engine)
@@ -75,7 +66,7 @@ def run(tiny_model: Any) -> Iterator[Run]:
         after_b = snapshot(engine)
         yield Run(a, b, fresh, targets, after_a, after_b, versions)
     finally:
-        engine.shutdown()
+        vllm_pool.restore(engine)
 
 
 def test_the_backend_is_declared_as_a_vllm_general_plugin():

@@ -23,9 +23,8 @@ from rollout_sync.planning.plan import Plan
 from rollout_sync.planning.planner import plan_model
 from rollout_sync.rollout.checkpoint import logical_tensors
 from rollout_sync.rollout.targets import RolloutTargets
-from tests.harness.vllm_engines import start_vllm_engine, vllm_spec
+from tests.harness.vllm_engines import shared_spec
 from tests.vllm.rollout_checks import Snapshot, builder_differences, differing_params, snapshot
-from tests.vllm.rollout_ext import ROLLOUT_TEST_EXTENSION
 from vllm_plugin.driver import setup_engines
 
 pytestmark = pytest.mark.vllm
@@ -72,27 +71,27 @@ class Fleet:
 
 
 @pytest.fixture(scope="module")
-def fleet(tiny_model: Any) -> Iterator[Fleet]:
+def fleet(tiny_model: Any, vllm_pool: Any) -> Iterator[Fleet]:
     a, b = tiny_model("dense-tied", 0), tiny_model("dense-tied", 1)
-    x = start_vllm_engine(vllm_spec(a, 2, worker_extension_cls=ROLLOUT_TEST_EXTENSION))
+    if vllm_pool.capacity < 2:
+        raise ValueError(
+            f"this test needs two engines at once: engine pool capacity >= 2, found {vllm_pool.capacity}"
+        )
+    x = vllm_pool.get(shared_spec(a, 2))
+    y = vllm_pool.get(shared_spec(b, 2))  # the pool holds two engines at once
     try:
-        y = start_vllm_engine(vllm_spec(b, 2, worker_extension_cls=ROLLOUT_TEST_EXTENSION))
-        try:
-            fresh_x, fresh_y = snapshot(x), snapshot(y)
-            targets = setup_engines([x.llm, y.llm], first_rank=TRAINER_RANK + 1)
-            plan = plan_model(whole_source_maps(b), targets.map_list())
-            reports = []
-            for engine, ranks in zip((x, y), targets.engines, strict=True):
-                receives = {str(r): receive_rows(plan, r) for r in ranks}
-                reports.append(
-                    engine.collective_rpc("rs_rollout_test_apply_segments", args=(str(b), receives))
-                )
-                engine.llm.reset_prefix_cache()
-            yield Fleet(a, b, fresh_x, fresh_y, targets, plan, reports, snapshot(x), snapshot(y))
-        finally:
-            y.shutdown()
+        fresh_x, fresh_y = snapshot(x), snapshot(y)
+        targets = setup_engines([x.llm, y.llm], first_rank=TRAINER_RANK + 1)
+        plan = plan_model(whole_source_maps(b), targets.map_list())
+        reports = []
+        for engine, ranks in zip((x, y), targets.engines, strict=True):
+            receives = {str(r): receive_rows(plan, r) for r in ranks}
+            reports.append(engine.collective_rpc("rs_rollout_test_apply_segments", args=(str(b), receives)))
+            engine.llm.reset_prefix_cache()
+        yield Fleet(a, b, fresh_x, fresh_y, targets, plan, reports, snapshot(x), snapshot(y))
     finally:
-        x.shutdown()
+        vllm_pool.restore(x)
+        vllm_pool.restore(y)
 
 
 def test_one_plan_brings_every_engine_to_the_sources_weights_bit_for_bit(fleet: Fleet):
