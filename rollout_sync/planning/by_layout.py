@@ -22,10 +22,11 @@ from collections.abc import Sequence
 
 from ..errors import PlanMismatchError
 from ..layout.maps import TensorMap
+from .map_pairs import LayoutKey, SharedLayouts, matched_pairs, planned_tensor
 from .plan import Plan, PlannedTensor
 from .planner import plan_model
 from .policy import ReplicaPolicy
-from .rank_half import choice_free, matched_pairs, planned_tensor, require_local
+from .rank_half import require_local
 
 __all__ = ["plan_model_by_layout"]
 
@@ -37,27 +38,18 @@ def plan_model_by_layout(
     local (``"lowest"`` or e.g. ``policy.Spread()``; see ``rank_half.require_local``): a greedy policy's
     choices depend on the order of the whole plan and are refused."""
     policy = require_local(policy)
-    lowest = policy == "lowest"
     pairs = matched_pairs(sources, targets)
-    free: dict[int, tuple[object, bool]] = {}  # id(source regions) -> (regions, choice free)
-    shared: dict[tuple[int, int, tuple[int, ...]], int] = {}  # layout -> representative index
-    keep: list[tuple[object, object]] = []  # keeps the regions alive, so their ids stay theirs
+    layouts = SharedLayouts(every_pair=policy == "lowest")
+    shared: dict[LayoutKey, int] = {}  # layout -> representative index
     reps: list[tuple[TensorMap, TensorMap]] = []
     owner: list[int] = []
     for s, t in pairs:
-        shareable = lowest
-        if not shareable:
-            got = free.get(id(s.regions))
-            if got is None:
-                got = free[id(s.regions)] = (s.regions, choice_free(s))
-            shareable = got[1]
-        if shareable:
-            key = (id(s.regions), id(t.regions), s.shape)
+        key = layouts.key(s, t)
+        if key is not None:
             index = shared.get(key)
             if index is None:
                 index = shared[key] = len(reps)
                 reps.append((s, t))
-                keep.append((s.regions, t.regions))
             owner.append(index)
         else:
             owner.append(len(reps))

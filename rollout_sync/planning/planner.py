@@ -4,9 +4,9 @@ Lifecycle (every rank runs the same pure function on the same maps and gets the 
 
 1. Maps were validated when built (``TensorMap``): each side's distinct boxes (regions) are disjoint and
    every storage is tiled exactly.
-2. ``plan_model`` matches target maps to source maps by name (the target decides what is needed; a target
-   without a source is a ``CoverageError``), checks logical shapes (``ShapeMismatchError``), and plans the
-   tensors in name order.
+2. ``plan_model`` matches target maps to source maps by name (``map_pairs.matched_pairs``; the target
+   decides what is needed; a target without a source is a ``CoverageError``), checks logical shapes
+   (``ShapeMismatchError``), and plans the tensors in name order.
 3. Per tensor, a sweep (``rollout_sync.layout.sweep``) finds every (source region, target region) pair that
    shares elements; each target region must be covered exactly by its intersections (``CoverageError``
    otherwise; source regions are disjoint, so volumes decide). Never all pairs of pieces.
@@ -28,17 +28,19 @@ from array import array
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from math import prod
-from operator import add, mul, sub
+from operator import add, mul
 
-from ..errors import CoverageError, LayoutError, ShapeMismatchError
+from ..errors import CoverageError, LayoutError
 from ..layout.box import Box
 from ..layout.dtypes import ITEMSIZE
 from ..layout.maps import TensorMap
 from ..layout.sweep import overlapping_pairs
 from ..layout.validate import Address, Region
-from .merge import Raw, merge_segments
+from .map_pairs import check_shapes, matched_pairs, planned_tensor
+from .merge import Raw
 from .plan import Plan, PlannedTensor, Segment
 from .policy import Balanced, ReplicaPolicy, ReplicaRequest, check_choice
+from .segments import intersection, sorted_rows
 
 __all__ = ["plan_model", "plan_tensor"]
 
@@ -74,7 +76,7 @@ class _Chooser:
 def plan_tensor(source: TensorMap, target: TensorMap, policy: ReplicaPolicy = "lowest") -> list[Segment]:
     """The segments that fill ``target`` from ``source`` (one logical tensor; ``Segment.tensor`` is 0),
     in plan order. Names are not compared; shapes are."""
-    _check_pair(source, target)
+    check_shapes(source, target)
     rows = _plan_records(source, target, _Chooser(policy))
     n = len(source.shape)
     return [
@@ -109,26 +111,7 @@ def _gc_paused() -> Iterator[None]:
 
 
 def _plan_model(sources: Sequence[TensorMap], targets: Sequence[TensorMap], policy: ReplicaPolicy) -> Plan:
-    by_name: dict[str, TensorMap] = {}
-    for m in sources:
-        if m.name in by_name:
-            raise LayoutError("two source maps describe one logical tensor", tensor=m.name)
-        by_name[m.name] = m
-    ordered = sorted(targets, key=lambda m: m.name)
-    pairs: list[tuple[TensorMap, TensorMap]] = []
-    for i, t in enumerate(ordered):
-        if i and ordered[i - 1].name == t.name:
-            raise LayoutError("two target maps describe one logical tensor", tensor=t.name)
-        s = by_name.get(t.name)
-        if s is None:
-            raise CoverageError(
-                "no source map holds a logical tensor the targets need",
-                tensor=t.name,
-                expected="a source map of the same name",
-                found="none",
-            )
-        _check_pair(s, t)
-        pairs.append((s, t))
+    pairs = matched_pairs(sources, targets)
     chooser = _Chooser(policy)
     # Tensors with the same shape and regions on both sides (the layers of a model) share their geometry;
     # with the lowest policy they share their records too.
@@ -159,27 +142,8 @@ def _plan_model(sources: Sequence[TensorMap], targets: Sequence[TensorMap], poli
             if chooser.mode == _LOWEST:
                 records_cache[key] = rec
         records.append(rec)
-        tensors.append(
-            PlannedTensor(
-                t.name,
-                t.shape,
-                s.dtype,
-                t.dtype,
-                s.storage_shapes,
-                t.storage_shapes,
-            )
-        )
+        tensors.append(planned_tensor(s, t))
     return Plan.from_records(tensors, records, validate=False)
-
-
-def _check_pair(source: TensorMap, target: TensorMap) -> None:
-    if source.shape != target.shape:
-        raise ShapeMismatchError(
-            "source and target maps describe different logical shapes",
-            tensor=target.name,
-            expected=f"target shape {target.shape}",
-            found=f"source shape {source.shape} (source map {source.name!r})",
-        )
 
 
 # One copy to make, before the replica choice: (target rank, target offset, target strides, logical origin,
@@ -222,12 +186,9 @@ def _geometry(source: TensorMap, target: TensorMap) -> list[_Entry]:
         else:
             for si in sis:
                 so, se, saddrs = src[si]
-                xo = tuple(map(max, so, to))
-                xe = tuple(map(sub, map(min, map(add, so, se), t_end), xo))
+                xo, xe, sdelta, tdelta = intersection(so, se, to, t_end)
                 n = prod(xe)
                 got += n
-                sdelta = tuple(map(sub, xo, so))
-                tdelta = tuple(map(sub, xo, to))
                 cands = tuple((r, off + sum(map(mul, sdelta, st)), st) for r, off, st in saddrs)
                 for trank, toff, tstr in taddrs:
                     entries.append((trank, toff + sum(map(mul, tdelta, tstr)), tstr, xo, xe, n, cands))
@@ -307,10 +268,7 @@ def _emit(
         if recorder is not None:
             recorder(c[0], n * itemsize)
         append((c[0], c[1], c[2], trank, toff, tstr, xo, xe))
-    merged = merge_segments(raw, ndim)
-    rows = [(r[0], r[1], r[3], r[4], *r[2], *r[5], *r[7]) for r in merged]
-    rows.sort(key=lambda r: (r[2], r[3], r[0], r[1]))
-    return rows
+    return sorted_rows(raw, ndim)
 
 
 def _uncovered(

@@ -16,12 +16,12 @@ box, candidates), never on choices made for other ranks. ``"lowest"`` and ``poli
 ``"balanced"`` (``policy.Balanced``, greedy over the bytes assigned so far in the whole plan) is not and is
 refused here.
 
-Steps mirror the planner's (``rollout_sync.planning.planner``): intersections by a sweep, addresses moved to
-the intersection's origin, one segment per (intersection, target holder), merging per (source rank, target
-rank) pair (``merge_segments``), sorting by target rank, target offset, source rank, source offset. Merging
-only joins segments between the same two ranks, so restricting to the segments of one rank merges them
-exactly as the whole plan does. Coverage is checked for this rank's own target regions only (the whole
-plan checks every target region).
+Steps mirror the planner's (``rollout_sync.planning.planner``; the shared parts are in ``map_pairs`` and
+``segments``): intersections by a sweep, addresses moved to the intersection's origin, one segment per
+(intersection, target holder), merging per (source rank, target rank) pair (``merge_segments``), sorting
+by target rank, target offset, source rank, source offset. Merging only joins segments between the same
+two ranks, so restricting to the segments of one rank merges them exactly as the whole plan does. Coverage
+is checked for this rank's own target regions only (the whole plan checks every target region).
 
 Tensors whose segments cannot depend on their name (the ``lowest`` policy, or every source region with one
 holder, so no choice is made) and whose maps share their regions objects (the layers of a model, see
@@ -32,19 +32,20 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from itertools import pairwise
 from math import prod
-from operator import add, attrgetter, mul, sub
+from operator import add, mul
 
-from ..errors import CoverageError, LayoutError, ReplicaPolicyError, ShapeMismatchError
+from ..errors import CoverageError, ReplicaPolicyError
 from ..layout.box import Box
 from ..layout.dtypes import ITEMSIZE
 from ..layout.maps import TensorMap
 from ..layout.sweep import overlapping_pairs
 from ..layout.validate import Address, Region
-from .merge import Raw, merge_segments
+from .map_pairs import LayoutKey, SharedLayouts, choice_free, matched_pairs, planned_tensor
+from .merge import Raw
 from .plan import PlanHalf, PlannedTensor, Segment
 from .policy import ReplicaPolicy, ReplicaRequest, check_choice
+from .segments import intersection, sorted_rows
 
 __all__ = ["RankHalf", "choice_free", "matched_pairs", "plan_rank_half", "require_local"]
 
@@ -128,58 +129,6 @@ def require_local(policy: ReplicaPolicy) -> ReplicaPolicy:
     )
 
 
-def matched_pairs(
-    sources: Sequence[TensorMap], targets: Sequence[TensorMap]
-) -> list[tuple[TensorMap, TensorMap]]:
-    """``(source, target)`` maps of the same logical tensor, in the plan's tensor order (target names
-    sorted), with the planner's refusals: a name described twice on one side, a target without a source
-    (``CoverageError``), different logical shapes (``ShapeMismatchError``)."""
-    by_name = {m.name: m for m in sources}
-    if len(by_name) != len(sources):
-        seen: set[str] = set()
-        for m in sources:
-            if m.name in seen:
-                raise LayoutError("two source maps describe one logical tensor", tensor=m.name)
-            seen.add(m.name)
-    ordered = sorted(targets, key=attrgetter("name"))
-    names = [t.name for t in ordered]
-    for a, b in pairwise(names):
-        if a == b:
-            raise LayoutError("two target maps describe one logical tensor", tensor=a)
-    found = [by_name.get(name) for name in names]
-    pairs: list[tuple[TensorMap, TensorMap]] = []
-    for s, t in zip(found, ordered, strict=True):
-        if s is None:
-            raise CoverageError(
-                "no source map holds a logical tensor the targets need",
-                tensor=t.name,
-                expected="a source map of the same name",
-                found="none",
-            )
-        if s.shape != t.shape:
-            raise ShapeMismatchError(
-                "source and target maps describe different logical shapes",
-                tensor=t.name,
-                expected=f"target shape {t.shape}",
-                found=f"source shape {s.shape} (source map {s.name!r})",
-            )
-        pairs.append((s, t))
-    return pairs
-
-
-def choice_free(source: TensorMap) -> bool:
-    """Whether every source region has a single holder: no replica choice, so the tensor's segments depend
-    only on its layout, under every policy."""
-    return all(len(region[2]) == 1 for region in source.regions)
-
-
-def planned_tensor(source: TensorMap, target: TensorMap) -> PlannedTensor:
-    """The plan's tensor table entry of one pair (the same as ``plan_model`` writes)."""
-    return PlannedTensor(
-        target.name, target.shape, source.dtype, target.dtype, source.storage_shapes, target.storage_shapes
-    )
-
-
 def plan_rank_half(
     sources: Sequence[TensorMap],
     targets: Sequence[TensorMap],
@@ -192,30 +141,19 @@ def plan_rank_half(
     targets, policy)`` and a local ``policy`` (see ``require_local``)."""
     choose = _chooser(require_local(policy))
     pairs = matched_pairs(sources, targets)
-    free: dict[int, tuple[object, bool]] = {}  # id(source regions) -> (regions, choice free)
-    cache: dict[tuple[int, int, tuple[int, ...]], tuple[object, object, list[Row]]] = {}
+    layouts = SharedLayouts(every_pair=choose is None)
+    cache: dict[LayoutKey, list[Row]] = {}
     out: list[tuple[int, list[Row]]] = []
     memo: dict[int, tuple[tuple[Address, ...], tuple[int, ...], dict[int, Address]]] = {}  # see _holders
     for i, (s, t) in enumerate(pairs):
         if rank not in t.storage_shapes and rank not in s.storage_shapes:
             continue
-        rows: list[Row] | None = None
-        key = None
-        shareable = choose is None
-        if not shareable:
-            got = free.get(id(s.regions))
-            if got is None:
-                got = free[id(s.regions)] = (s.regions, choice_free(s))
-            shareable = got[1]
-        if shareable:
-            key = (id(s.regions), id(t.regions), s.shape)
-            hit = cache.get(key)
-            if hit is not None:
-                rows = hit[2]
+        key = layouts.key(s, t)
+        rows = cache.get(key) if key is not None else None
         if rows is None:
             rows = _rank_rows(s, t, rank, choose, memo)
             if key is not None:
-                cache[key] = (s.regions, t.regions, rows)  # keeps the regions, so their ids stay theirs
+                cache[key] = rows
         if rows:
             out.append((i, rows))
     return RankHalf(rank, tuple(pairs), tuple(out))
@@ -275,10 +213,7 @@ def _rank_rows(
             if addrs:
                 _emit(name, src, sis, to, te, addrs, itemsize, choose, rank, raw, memo)
 
-    merged = merge_segments(raw, len(target.shape))
-    rows = [(r[0], r[1], r[3], r[4], *r[2], *r[5], *r[7]) for r in merged]
-    rows.sort(key=lambda r: (r[2], r[3], r[0], r[1]))
-    return rows
+    return sorted_rows(raw, len(target.shape))
 
 
 def _emit(
@@ -301,12 +236,9 @@ def _emit(
     covered = 0
     for si in sorted(sis):
         so, se, saddrs = src[si]
-        xo = tuple(map(max, so, to))
-        xe = tuple(map(sub, map(min, map(add, so, se), t_end), xo))
+        xo, xe, sdelta, tdelta = intersection(so, se, to, t_end)
         n = prod(xe)
         covered += n
-        sdelta = tuple(map(sub, xo, so))
-        tdelta = tuple(map(sub, xo, to))
         pick_from = choose if len(saddrs) > 1 else None
         holders: tuple[int, ...] = ()
         by_rank: dict[int, Address] = {}

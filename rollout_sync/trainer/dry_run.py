@@ -10,8 +10,8 @@ engines by ``tests/deepspeed/test_trainer_storage.py``):
   ``up_proj``, ``down_proj``; a Qwen3-MoE block: fused ``experts.gate_up_proj``, ``experts.down_proj``,
   then ``gate``; under AutoEP: ``router.gate``, packed ``experts.w1``, ``w2``, ``w3``), the two layer norms,
   then the final norm and ``lm_head``;
-- AutoTP (``rollout_sync.models.autotp_layout``), except that a tied embedding is split along the vocab
-  like the ``lm_head`` it is (AutoTP partitions ``lm_head``, which shares the parameter);
+- AutoTP (``rollout_sync.models.autotp_layout`` with ``tied``: a tied embedding is split along the vocab
+  like the ``lm_head`` it is, since AutoTP partitions ``lm_head``, which shares the parameter);
 - AutoEP: EP rank ``k`` packs experts ``[k·E/ep, (k+1)·E/ep)``; EP groups are consecutive ranks, the
   expert-data-parallel group of EP rank ``k`` is ``[k, k + ep, ...]``; ZeRO-1/2 put the experts in their
   own optimizer group (flat buffer) over that group, the other parameters in one group over all ranks;
@@ -21,13 +21,12 @@ engines by ``tests/deepspeed/test_trainer_storage.py``):
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from math import prod
 
 from ..errors import LayoutError, UnsupportedLayoutError
-from ..layout.builders import autotp_shard_sizes
-from ..layout.nesting import Layout, Shard
+from ..layout.nesting import Layout
 from ..models.sides import autotp_layout, trainer_rank_table
 from ..models.tensors import LogicalTensor, ModelTensors
 from .facts import LogicalPart, ParamFacts, TrainerFacts, ZeroGroup
@@ -97,11 +96,8 @@ def dry_run_facts(
     params: list[_Param] = []
 
     def dense(t: LogicalTensor) -> None:
-        if tp > 1 and model.tied_embeddings and t.name == "model.embed_tokens.weight":
-            sizes = autotp_shard_sizes(t.shape[0], tp, "lm_head", model.num_kv_heads, tp_grain)
-            layout = Layout(t.name, t.shape, _split(t, sizes))
-        elif tp > 1:
-            layout = autotp_layout(t, tp, model.num_kv_heads, tp_grain)
+        if tp > 1:
+            layout = autotp_layout(t, tp, model.num_kv_heads, tp_grain, tied=model.tied_embeddings)
         else:
             layout = single_layout(t.name, t.shape)
         params.append(
@@ -153,15 +149,6 @@ def dry_run_facts(
         ParamFacts(p.name, tuple(p.layout.shape), p.layout, zero_groups[p.name], p.parts) for p in params
     )
     return TrainerFacts(zero_stage, dtype, master_dtype if zero_stage > 0 else None, facts)
-
-
-def _split(t: LogicalTensor, sizes: Sequence[int]) -> dict[int, Shard]:
-    shards = {}
-    start = 0
-    for k, size in enumerate(sizes):
-        shards[k] = Shard.of_box((start, *(0,) * (len(t.shape) - 1)), (size, *t.shape[1:]))
-        start += size
-    return shards
 
 
 def _moe_block(
