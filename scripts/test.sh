@@ -15,4 +15,4 @@ echo "[test] ruff" >&2
 echo "[test] mypy" >&2
 "$py" -m mypy
 echo "[test] pytest" >&2
-"$py" -m pytest "$@"
+"$py" -m pytest --durations=25 "$@"  # the 25 slowest tests are listed at the end
