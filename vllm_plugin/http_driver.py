@@ -24,7 +24,7 @@ from typing import Any
 
 from rollout_sync.errors import PeerFailedError, SyncTimeoutError
 
-__all__ = ["ServerEngine", "check_answers"]
+__all__ = ["ServerEngine", "check_answers", "rpc_timeout"]
 
 _PREFIX = "rollout_sync_"
 
@@ -46,6 +46,11 @@ def check_answers(engine: str, method: str, nonce: str, answers: Any) -> list[An
             raise PeerFailedError(f"engine {engine} worker {worker}: {method} failed: {answer['error']}")
         results.append(answer.get("result"))
     return results
+
+
+def rpc_timeout(limit: float) -> float:
+    """vLLM's RPC timeout for a call whose HTTP wait is ``limit`` seconds (see ``ServerEngine.call``)."""
+    return 3 * limit + 60.0
 
 
 class ServerEngine:
@@ -98,13 +103,19 @@ class ServerEngine:
         args: Sequence[Any] = (),
         timeout: float | None = None,
     ) -> list[Any]:
-        """``rollout_sync_<method>`` on every worker, with a fresh nonce checked on every answer."""
+        """``rollout_sync_<method>`` on every worker, with a fresh nonce checked on every answer.
+
+        The HTTP wait is bounded by ``timeout`` (plus 10 s); vLLM's own RPC timeout is set well past it
+        (``rpc_timeout``). When vLLM times an RPC out at TP > 1 the workers' late answers stay queued and
+        every later call receives its predecessor's answer (which the nonces then refuse, but the server's
+        RPCs stay shifted for good); a call that outlives the HTTP wait instead only delays the next call,
+        which still gets its own answer."""
         nonce = uuid.uuid4().hex
         limit = self.timeout if timeout is None else timeout
         body = {
             "method": "rollout_sync_call",
             "kwargs": {"method": method, "nonce": nonce, "kwargs": dict(kwargs or {}), "args": list(args)},
-            "timeout": limit,
+            "timeout": rpc_timeout(limit),
         }
         got = self.request("/collective_rpc", body, timeout=limit + 10.0)
         answers = got.get("results") if isinstance(got, dict) else got

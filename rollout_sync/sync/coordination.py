@@ -29,6 +29,7 @@ from ..planning.planner import plan_model
 from ..planning.policy import ReplicaPolicy
 from ..planning.wire import decode_maps, encode_half
 from ..transport.groups import connect_store
+from .roster import RosterEntry, encode_roster
 
 
 def maps_digest(payload: bytes) -> str:
@@ -131,7 +132,18 @@ def coordinate(
         plan, reused = cache.get_or_build(version, build) if cache is not None else (build(), False)
         world = coord.world_size
         store = connect_store(store_host, 0, world, is_master=True, timeout=timeout)
+        roster = [
+            RosterEntry(
+                coord.global_rank(p),
+                None if p.role == TRAINER else p.group,
+                p.local_rank,
+                str(p.fields.get("host", "")),
+                int(p.fields.get("pid", 0) or 0),
+            )
+            for p in peers
+        ]
         common = {
+            "roster": encode_roster(roster),
             "world_size": world,
             "trainer_ranks": coord.trainer_world,
             "store_host": store_host,

@@ -16,13 +16,14 @@ from typing import Any
 
 import torch
 
-from ..errors import HandshakeError, PlanMismatchError, RolloutSyncError
+from ..errors import HandshakeError, PeerFailedError, PlanMismatchError, RolloutSyncError, SyncTimeoutError
 from ..handshake import Peer
 from ..planning.plan import PlanHalf
 from ..planning.wire import decode_half
 from ..transport import ExecuteOptions, Executor, SyncStats
 from ..transport.groups import connect_store, new_group
 from .commit import commit
+from .roster import RosterEntry, blame, decode_roster, this_process
 
 TOKEN_ENV = "ROLLOUT_SYNC_TOKEN"
 
@@ -55,8 +56,11 @@ class Endpoint:
         half: PlanHalf,
         options: ExecuteOptions,
         device: Any = "cpu",
+        roster: Mapping[int, RosterEntry] | None = None,
     ) -> None:
         self.rank = rank
+        self.roster = dict(roster or {})
+        self.closed = False
         self.world_size = world_size
         self.trainer_ranks = trainer_ranks
         self.group = group
@@ -87,7 +91,7 @@ class Endpoint:
                 group=group,
                 local_rank=local_rank,
                 local_size=local_size,
-                fields=dict(fields or {}),
+                fields={**this_process(), **dict(fields or {})},
                 payload=payload,
             )
             f = welcome.fields
@@ -119,7 +123,32 @@ class Endpoint:
             half=half,
             options=options or ExecuteOptions(timeout=timeout),
             device=device,
+            roster=decode_roster(f.get("roster")),
         )
+
+    def close(self) -> None:
+        """Leave the sync group: shut this rank's side of the group down and drop it (its connections and
+        the store it keeps alive). Idempotent; a later ``run`` raises. After a failed sync the group may be
+        broken (a dead peer, connections gloo closed on a timeout): close it, then join a new one."""
+        if self.closed:
+            return
+        self.closed = True
+        group, self.group = self.group, None
+        self.executor = None  # type: ignore[assignment]
+        # NCCL: abort (a shutdown may wait on a dead peer); gloo: shutdown (both return at once there).
+        stop = getattr(group, "abort" if str(self.device).startswith("cuda") else "shutdown", None)
+        if callable(stop):
+            with contextlib.suppress(Exception):
+                stop()
+        del group
+
+    def _named(self, exc: BaseException) -> BaseException | None:
+        """``exc`` again with the peers at fault named (``roster.blame``), or None if nothing to add."""
+        sentence = blame(str(exc), self.rank, self.roster)
+        if not sentence:
+            return None
+        cls = type(exc) if isinstance(exc, (PeerFailedError, SyncTimeoutError)) else PeerFailedError
+        return cls(f"{exc} [{sentence}]")
 
     def run(
         self,
@@ -130,8 +159,16 @@ class Endpoint:
     ) -> SyncResult:
         """Execute this rank's half, then commit. Returns the version the trainer ranks sent; raises on every
         rank if any rank failed (a rank whose agreement refused the plan raises the same error everywhere).
+        A transport or commit failure names the peers at fault (``roster.blame``) and closes this endpoint:
+        its group cannot be trusted after it (and gloo's connection loop to a dead peer was seen spinning a
+        core in a vLLM worker, starving the engine sharing that core); join again through a new handshake.
         ``refusal``: why this rank must not send (its storage views are stale); every rank then raises a
         ``PlanMismatchError`` naming it, at the agreement, before any byte moves."""
+        if self.closed:
+            raise PeerFailedError(
+                f"rank {self.rank}: this endpoint left its sync group (a failed sync or a detach closed it); "
+                "join again through a new handshake"
+            )
         start = time.perf_counter()
         try:
             stats = self.executor.execute(self.half, sources, targets, refusal)
@@ -151,15 +188,26 @@ class Endpoint:
                     timeout=min(self.options.timeout, 10.0),
                     device=self.device,
                 )
+            named = self._named(exc)
+            self.close()
+            if named is not None:
+                raise named from exc
             raise
-        agreed = commit(
-            self.group,
-            rank=self.rank,
-            world=self.world_size,
-            trainer_ranks=self.trainer_ranks,
-            version=version,
-            ok=True,
-            timeout=self.options.timeout,
-            device=self.device,
-        )
+        try:
+            agreed = commit(
+                self.group,
+                rank=self.rank,
+                world=self.world_size,
+                trainer_ranks=self.trainer_ranks,
+                version=version,
+                ok=True,
+                timeout=self.options.timeout,
+                device=self.device,
+            )
+        except (PeerFailedError, SyncTimeoutError) as exc:
+            named = self._named(exc)
+            self.close()
+            if named is not None:
+                raise named from exc
+            raise
         return SyncResult(agreed, stats, time.perf_counter() - start)

@@ -79,7 +79,10 @@ class TrainerSync:
 
         from ..trainer.storage import watched_storage
 
-        (maps, sources), watch = watched_storage(engine, state)
+        # allow_gathered: after a training step ZeRO-3 keeps persistent parameters gathered; the maps and
+        # views describe the partitions (ds_tensor) either way. A re-attach of a trained engine (after a
+        # failed sync, a restarted engine) must not be refused for it.
+        (maps, sources), watch = watched_storage(engine, state, allow_gathered=True)
         self = cls.connect(
             maps,
             sources,
@@ -202,6 +205,12 @@ class TrainerSync:
         return self.coordinated.plan if self.coordinated else None
 
     def detach(self) -> None:
+        """Stop syncing: restore the engine's ``step``, leave the sync group (its connections closed, rank
+        0's store released). Then ``attach`` again for a new handshake: the same trainer processes rejoin
+        a restarted or replaced engine (after a failed sync the old group cannot be trusted)."""
         if self.hook is not None:
             self.hook.detach()
             self.hook = None
+        self.endpoint.close()
+        if self.coordinated is not None:
+            self.coordinated.store = None

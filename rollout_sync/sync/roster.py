@@ -1,0 +1,131 @@
+"""Who is who in a sync group, and which peer a failed sync is to blame on.
+
+The coordinator knows every rank's place (trainer rank, or engine ``e`` worker ``w``) and each peer's
+process (host and pid, from its hello); it sends this roster in every welcome. When a sync fails, a rank
+names the peers at fault: the ranks the error names (``sending to rank 3``, a commit record of rank 3), and
+the peers on this host whose process is gone (an allgather that failed says only that *a* peer left). With
+no such evidence it lists every engine with its ranks, so an error never leaves the engines unnamed.
+
+Pure apart from ``process_gone`` (reads ``/proc``); no torch, no vLLM.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["RosterEntry", "blame", "decode_roster", "encode_roster", "process_gone", "this_process"]
+
+
+@dataclass(frozen=True)
+class RosterEntry:
+    rank: int  # global rank in the sync group
+    engine: int | None  # None for trainer ranks
+    local_rank: int  # the trainer rank, or the worker's rank in its engine
+    host: str
+    pid: int
+
+    @property
+    def role(self) -> str:
+        if self.engine is None:
+            return f"trainer rank {self.local_rank}"
+        return f"engine {self.engine} worker {self.local_rank}"
+
+    @property
+    def where(self) -> str:
+        return f"pid {self.pid} on {self.host}" if self.host else "process unknown"
+
+
+def this_process() -> dict[str, Any]:
+    """The hello fields that let the coordinator name this process in a roster."""
+    return {"host": socket.gethostname(), "pid": os.getpid()}
+
+
+def encode_roster(entries: Sequence[RosterEntry]) -> list[list[Any]]:
+    """JSON-able (welcome field ``roster``)."""
+    return [[e.rank, e.engine, e.local_rank, e.host, e.pid] for e in entries]
+
+
+def decode_roster(raw: Any) -> dict[int, RosterEntry]:
+    """The roster of a welcome; an older coordinator sends none (empty roster)."""
+    out: dict[int, RosterEntry] = {}
+    if not isinstance(raw, list):
+        return out
+    for item in raw:
+        rank, engine, local_rank, host, pid = item
+        out[int(rank)] = RosterEntry(
+            int(rank), None if engine is None else int(engine), int(local_rank), str(host), int(pid)
+        )
+    return out
+
+
+def process_gone(pid: int) -> bool:
+    """Whether process ``pid`` of this host has exited (a zombie counts as exited)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except FileNotFoundError:
+        return True
+    except OSError:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:
+            return False
+        return False
+    # "pid (comm) state ...": comm may hold spaces and parentheses; the state follows the last ')'.
+    state = stat[stat.rfind(b")") + 2 : stat.rfind(b")") + 3]
+    return state in (b"Z", b"X")
+
+
+_PEER_RANK = re.compile(r"(?:to|from|on|of) rank (\d+)|rank (\d+): ")
+
+
+def _named_ranks(text: str, me: int) -> set[int]:
+    found = set()
+    for m in _PEER_RANK.finditer(text):
+        found.add(int(m.group(1) or m.group(2)))
+    found.discard(me)
+    return found
+
+
+def _engines(roster: Mapping[int, RosterEntry], ranks: Sequence[int]) -> str:
+    by_engine: dict[int | None, list[RosterEntry]] = {}
+    for r in sorted(ranks):
+        by_engine.setdefault(roster[r].engine, []).append(roster[r])
+    parts = []
+    for engine, entries in sorted(by_engine.items(), key=lambda kv: -1 if kv[0] is None else kv[0]):
+        if engine is None:
+            parts += [f"{e.role} (global rank {e.rank}, {e.where})" for e in entries]
+            continue
+        workers = ", ".join(f"worker {e.local_rank} {e.where}" for e in entries)
+        ranks_text = ", ".join(str(e.rank) for e in entries)
+        parts.append(f"engine {engine} (global ranks {ranks_text}: {workers})")
+    return "; ".join(parts)
+
+
+def blame(
+    text: str,
+    me: int,
+    roster: Mapping[int, RosterEntry],
+    gone: Callable[[int], bool] = process_gone,
+    host: str | None = None,
+) -> str:
+    """A sentence naming the peers a failure of rank ``me`` is to blame on (see the module doc); empty
+    without a roster. ``text``: the failure's message; ``gone(pid)``: whether a local process exited."""
+    if not roster:
+        return ""
+    host = socket.gethostname() if host is None else host
+    named = {r for r in _named_ranks(text, me) if r in roster}
+    dead = {r for r, e in roster.items() if r != me and e.host == host and e.pid > 0 and gone(e.pid)}
+    if dead:
+        return f"failed peer(s): {_engines(roster, sorted(dead))} (process gone)"
+    if named:
+        return f"failed peer(s): {_engines(roster, sorted(named))}"
+    engines = [r for r, e in roster.items() if e.engine is not None]
+    return f"the failed peer is not known; peers of this sync: {_engines(roster, engines)}"

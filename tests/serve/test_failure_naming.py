@@ -1,0 +1,53 @@
+"""Naming the peers a failed sync is to blame on (``rollout_sync.sync.roster``): pure logic, no engines."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from rollout_sync.sync.roster import RosterEntry, blame, decode_roster, encode_roster, process_gone
+
+ROSTER = {
+    0: RosterEntry(0, None, 0, "h", 100),
+    1: RosterEntry(1, None, 1, "h", 101),
+    2: RosterEntry(2, 0, 0, "h", 200),
+    3: RosterEntry(3, 1, 0, "h", 300),
+    4: RosterEntry(4, 1, 1, "other", 301),
+}
+
+
+def test_a_roster_survives_the_welcome_round_trip() -> None:
+    assert decode_roster(encode_roster(list(ROSTER.values()))) == ROSTER
+    assert decode_roster(None) == {}
+
+
+def test_a_dead_local_worker_names_its_engine_with_its_ranks_and_process() -> None:
+    text = "rank 0: the plan agreement failed (a peer died or left): Connection closed by peer"
+    got = blame(text, 0, ROSTER, gone=lambda pid: pid == 300, host="h")
+    assert got == "failed peer(s): engine 1 (global ranks 3: worker 0 pid 300 on h) (process gone)"
+
+
+def test_a_peer_named_by_the_error_is_blamed_when_no_local_process_is_gone() -> None:
+    text = "rank 1: sending to rank 4 (round 0) made no progress within 20 s"
+    got = blame(text, 1, ROSTER, gone=lambda pid: False, host="h")
+    assert got == "failed peer(s): engine 1 (global ranks 4: worker 1 pid 301 on other)"
+
+
+def test_a_dead_trainer_rank_is_named_as_a_trainer_rank() -> None:
+    got = blame("rank 2: the sync's commit failed", 2, ROSTER, gone=lambda pid: pid == 101, host="h")
+    assert got == "failed peer(s): trainer rank 1 (global rank 1, pid 101 on h) (process gone)"
+
+
+def test_without_evidence_every_engine_is_listed_and_without_a_roster_nothing_is_added() -> None:
+    got = blame("rank 0: the plan agreement did not complete", 0, ROSTER, gone=lambda pid: False, host="h")
+    assert got.startswith("the failed peer is not known; peers of this sync: engine 0 (global ranks 2")
+    assert "engine 1 (global ranks 3, 4" in got
+    assert blame("rank 0: anything", 0, {}) == ""
+
+
+def test_a_process_that_exited_is_gone_and_a_live_one_is_not() -> None:
+    assert not process_gone(os.getpid())
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait(30)
+    assert process_gone(child.pid)
