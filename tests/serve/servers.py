@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -22,8 +23,12 @@ from vllm_plugin.http_driver import ServerEngine
 EXTENSION = "vllm_plugin.extension.RolloutSyncExtension"
 
 
-def serve_command(model: Path | str, port: int, tp: int = 1) -> list[str]:
-    """The exact command the README documents (plus the test's small-memory settings)."""
+WEIGHT_TRANSFER = ["--weight-transfer-config", '{"backend": "rollout_sync"}']
+
+
+def serve_command(model: Path | str, port: int, tp: int = 1, extra: Sequence[str] = ()) -> list[str]:
+    """The exact command the README documents (plus the test's small-memory settings); ``extra``: more
+    arguments for ``vllm serve`` (``WEIGHT_TRANSFER``)."""
     return [
         sys.executable,
         "-m",
@@ -49,6 +54,7 @@ def serve_command(model: Path | str, port: int, tp: int = 1) -> list[str]:
         str(64 * 2**20),
         "--seed",
         "0",
+        *extra,
     ]
 
 
@@ -88,7 +94,7 @@ def _group_alive(pgid: int) -> bool:
     return True
 
 
-def launch(model: Path | str, log_dir: Path, name: str, tp: int = 1) -> Server:
+def launch(model: Path | str, log_dir: Path, name: str, tp: int = 1, extra: Sequence[str] = ()) -> Server:
     port = free_port()
     env = dict(os.environ)
     env["VLLM_SERVER_DEV_MODE"] = "1"
@@ -98,14 +104,14 @@ def launch(model: Path | str, log_dir: Path, name: str, tp: int = 1) -> Server:
     log = log_dir / f"{name}.log"
     log_file = open(log, "wb")  # noqa: SIM115 - closed by Server.stop
     proc = subprocess.Popen(
-        serve_command(model, port, tp),
+        serve_command(model, port, tp, extra),
         env=env,
         stdout=log_file,
         stderr=subprocess.STDOUT,
         start_new_session=True,
         cwd=REPO_ROOT,
     )
-    return Server(ServerEngine(f"http://127.0.0.1:{port}", name=name, timeout=60.0), proc, log, log_file)
+    return Server(ServerEngine(f"http://127.0.0.1:{port}", name=name, timeout=120.0), proc, log, log_file)
 
 
 def wait_all(servers: list[Server], timeout: float = 300.0) -> list[float]:

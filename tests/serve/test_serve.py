@@ -1,13 +1,17 @@
 """Real ``vllm serve`` servers on loopback (launched with ``python -m rollout_sync.serve``), synced from a
 2-rank ZeRO-3 DeepSpeed trainer through the servers' own HTTP routes (``/collective_rpc``, ``/pause``,
-``/resume``, ``/update_weight_version``) and the ZeroMQ handshake.
+``/resume``, ``/update_weight_version``) and the ZeroMQ handshake, and through vLLM's weight-transfer routes
+(``--weight-transfer-config '{"backend": "rollout_sync"}'``).
 
-Two servers (engines 0 and 1, TP 1 each) are targets of one plan and one sync; afterwards both equal a fresh
-server loaded from the trainer's saved checkpoint, tokens over HTTP and every parameter bit for bit. Then
-the failures: a stale RPC answer is refused; a trainer rank killed mid-sync makes every worker fail in time,
-each server keeps serving without claiming the version, and a restarted trainer repairs it; a server killed
-mid-sync makes the trainer raise in time, and a restarted server rejoins through a new handshake without a
-trainer restart. The servers are shared by the module (start-up dominates: 40-140 s each here)."""
+Two servers at TP 2 (engines 0 and 1, two workers each) are targets of one plan and one sync; afterwards
+both equal a fresh TP-2 server loaded from the trainer's saved checkpoint (tokens over HTTP, every parameter
+bit for bit). (Engines of different TP sizes in one plan are refused: their maps of one tensor are cut
+differently, see the report of ``merge``.) Then the failures: a stale RPC
+answer is refused; a trainer rank killed mid-sync makes every worker fail in time, each server keeps serving
+without claiming the version, and a restarted trainer repairs it; a server killed mid-sync makes every
+trainer rank raise in time naming that engine, and a restarted server rejoins through a new handshake
+without a trainer restart (same layout: the cached plan is reused). The servers are shared by the module
+(start-up dominates: 40-140 s each here)."""
 
 from __future__ import annotations
 
@@ -25,7 +29,7 @@ from rollout_sync.testing.rank_pool import RankContext, RankError, RankPool, fre
 from rollout_sync.testing.trainer_ranks import attach, setup, train_step
 from tests.e2e.e2e_steps import TRAINER_ENV, save_checkpoint
 from tests.harness.vllm_engines import DEFAULT_PROMPTS
-from tests.serve.servers import Server, launch, wait_all
+from tests.serve.servers import WEIGHT_TRANSFER, Server, launch, wait_all
 from vllm_plugin.driver import apply_checkpoint, setup_engines
 from vllm_plugin.http_driver import ServerEngine, check_answers
 
@@ -43,6 +47,12 @@ def reattach(ctx: RankContext, address: str, engines: int, timeout: float) -> in
     if old is not None:
         old.detach()
     return attach(ctx, address, TOKEN, engines, 1, "balanced", timeout)
+
+
+def plan_reused(ctx: RankContext) -> bool | None:
+    """Whether the last handshake reused a cached plan (trainer rank 0, which coordinates; None elsewhere)."""
+    coordinated = ctx.state["sync"].coordinated
+    return None if coordinated is None else bool(coordinated.reused_plan)
 
 
 class Trainer:
@@ -70,15 +80,23 @@ class Trainer:
 
 
 def handshake(trainer: Trainer, engines: list[ServerEngine]) -> list[int]:
-    """A new handshake: probe each server's workers, then trainer ranks and workers join a new group."""
+    """A new handshake: probe each server's workers, then trainer ranks and workers join a new group. A
+    trainer-side failure is raised first: the servers' joins only wait for the coordinator it runs."""
     setup_engines(engines, first_rank=TRAINERS)
     address = f"tcp://127.0.0.1:{free_port()}"
     pending = trainer.live().submit(reattach, address, len(engines), SYNC_TIMEOUT)
+    errors: list[BaseException] = []
     with ThreadPoolExecutor(len(engines)) as pool:
         joins = [pool.submit(e.connect, address, k, TOKEN, SYNC_TIMEOUT) for k, e in enumerate(engines)]
         for j in joins:
-            j.result(SYNC_TIMEOUT * 3)
-    return pending.result(SYNC_TIMEOUT * 3)
+            try:
+                j.result(SYNC_TIMEOUT * 3)
+            except Exception as exc:
+                errors.append(exc)
+    ranks = pending.result(SYNC_TIMEOUT * 3)
+    if errors:
+        raise errors[0]
+    return ranks
 
 
 def step_and_receive(
@@ -114,7 +132,11 @@ def logs(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def servers(model: Path, logs: Path) -> Iterator[list[Server]]:
-    started = [launch(model, logs, "engine0"), launch(model, logs, "engine1")]
+    # Two workers each; engine 0 also takes vLLM's weight-transfer routes (the last test).
+    started = [
+        launch(model, logs, "engine0", tp=2, extra=WEIGHT_TRANSFER),
+        launch(model, logs, "engine1", tp=2),
+    ]
     try:
         wait_all(started, timeout=400)
         yield started
@@ -134,7 +156,7 @@ def trainer(model: Path, servers: list[Server]) -> Iterator[Trainer]:
         t.stop()
 
 
-def test_two_served_engines_synced_in_one_step_equal_a_fresh_server_loaded_from_the_checkpoint(
+def test_two_served_engines_at_tp_2_synced_in_one_step_equal_a_fresh_server_loaded_from_the_checkpoint(
     servers: list[Server], trainer: Trainer, model: Path, logs: Path, tmp_path: Path
 ) -> None:
     engines = [s.engine for s in servers]
@@ -143,15 +165,16 @@ def test_two_served_engines_synced_in_one_step_equal_a_fresh_server_loaded_from_
     trainer_side = pending.result(SYNC_TIMEOUT * 3)
     version = trainer_side[0]["sync"]["version"]
     assert [t["sync"]["version"] for t in trainer_side] == [version] * TRAINERS
-    assert [[w["version"] for w in r] for r in reports] == [[version], [version]]
+    assert [[w["version"] for w in r] for r in reports] == [[version] * 2] * 2
     assert [e.weight_version() for e in engines] == [str(version)] * 2
-    # Balanced policy: both trainer ranks send, and each sends to both engines' workers (ranks 2 and 3).
-    for t in trainer_side:
-        sent = t["sync"]["stats"]["bytes_sent"]
-        assert sorted(sent) == ["2", "3"], sent
+    # Balanced policy: both trainer ranks send, and every worker (engine 0: ranks 2, 3; engine 1: ranks 4, 5)
+    # receives.
+    sent = [t["sync"]["stats"]["bytes_sent"] for t in trainer_side]
+    assert all(sent), sent
+    assert sorted({peer for s in sent for peer in s}) == ["2", "3", "4", "5"], sent
     checkpoint = tmp_path / "step"
     trainer.live().call(save_checkpoint, str(checkpoint), str(model))
-    fresh = launch(checkpoint, logs, "fresh")
+    fresh = launch(checkpoint, logs, "fresh-tp2", tp=2)
     try:
         wait_all([fresh], timeout=400)
         want_tokens = fresh.engine.complete_greedy(DEFAULT_PROMPTS, max_tokens=12)
@@ -220,7 +243,7 @@ def test_a_trainer_rank_killed_mid_sync_fails_every_worker_in_time_and_a_restart
     print(f"\ntrainer rank killed: both servers failed after {failed_in:.1f} s")
 
 
-def test_a_server_killed_mid_sync_makes_the_trainer_raise_in_time_and_the_other_keeps_serving(
+def test_a_server_killed_mid_sync_makes_every_trainer_rank_raise_in_time_naming_it_and_the_other_serves(
     servers: list[Server], trainer: Trainer, model: Path, logs: Path
 ) -> None:
     engines = [s.engine for s in servers]
@@ -231,7 +254,12 @@ def test_a_server_killed_mid_sync_makes_the_trainer_raise_in_time_and_the_other_
         pending.result(BOUND)
     failed_in = time.monotonic() - start
     assert failed_in < BOUND, failed_in
-    print(f"\nserver killed: trainer raised after {failed_in:.1f} s: {str(raised.value)[:400]}")
+    message = str(raised.value)
+    print(f"\nserver killed: trainer raised after {failed_in:.1f} s: {message[:600]}")
+    # Every trainer rank's error names the dead engine (index, global ranks, its workers' processes).
+    blamed = "failed peer(s): engine 1 (global ranks 4, 5: worker 0 pid "
+    assert message.count(blamed) >= TRAINERS, message
+    assert "engine 0" not in message.split("failed peer(s):", 1)[1].split("]", 1)[0], message
     with pytest.raises((PeerFailedError, SyncTimeoutError)):
         receives[0].result(BOUND)
     with pytest.raises((PeerFailedError, SyncTimeoutError)):
@@ -241,22 +269,54 @@ def test_a_server_killed_mid_sync_makes_the_trainer_raise_in_time_and_the_other_
     assert len(servers[0].engine.complete_greedy(DEFAULT_PROMPTS[:1], max_tokens=4)[0]) == 4
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="open: after a server was killed mid-sync, re-attaching the same trainer processes "
-    "(detach + attach with a new coordinator address) was not answered by the coordinator within "
-    "20 s (seen once, machine load 27 on 2 cores); the restarted-trainer path above works",
-)
 def test_a_restarted_server_rejoins_through_a_new_handshake_without_a_trainer_restart(
     servers: list[Server], trainer: Trainer, model: Path, logs: Path
 ) -> None:
+    pids = [p.pid for p in trainer.live()._procs]
     servers[1].stop()
-    servers[1] = launch(model, logs, "engine1-restarted")
+    servers[1] = launch(model, logs, "engine1-restarted", tp=2)
     wait_all([servers[1]], timeout=400)
     engines = [s.engine for s in servers]
-    handshake(trainer, engines)  # same trainer processes, new handshake, plan rebuilt
+    start = time.monotonic()
+    handshake(trainer, engines)  # same trainer processes, new handshake and group
+    rejoined_in = time.monotonic() - start
+    assert [p.pid for p in trainer.live()._procs] == pids, "the trainer was restarted"
+    # The new engine has the old one's layout: its handshake finds the plan in the cache.
+    assert trainer.live().call(plan_reused)[0] is True
     pending, receives = step_and_receive(trainer, engines)
     reports = [r.result(SYNC_TIMEOUT * 3) for r in receives]
     version = pending.result(SYNC_TIMEOUT * 3)[0]["sync"]["version"]
     assert all(not w["incomplete"] and w["version"] == version for r in reports for w in r), reports
-    assert digests(engines[0]) == digests(engines[1])
+    assert [e.weight_version() for e in engines] == [str(version)] * 2
+    assert digests(engines[0]) == digests(engines[1])  # the same layout, both the trainer's weights
+    print(f"\nrestarted server rejoined (new handshake and group, cached plan) in {rejoined_in:.1f} s")
+
+
+def test_vllms_weight_transfer_routes_drive_a_sync_and_report_its_weight_version(
+    servers: list[Server], trainer: Trainer, model: Path, tmp_path: Path
+) -> None:
+    engine = servers[0].engine  # started with --weight-transfer-config '{"backend": "rollout_sync"}'
+    address = f"tcp://127.0.0.1:{free_port()}"
+    pending = trainer.live().submit(reattach, address, 1, SYNC_TIMEOUT)
+    init_info = {"first_rank": TRAINERS, "address": address, "engine": 0, "token": TOKEN}
+    engine.request("/init_weight_transfer_engine", {"init_info": {**init_info, "timeout": SYNC_TIMEOUT}})
+    pending.result(SYNC_TIMEOUT * 3)
+    for _ in range(2):
+        engine.request("/pause", {})
+        try:
+            engine.request("/start_weight_update", {})
+            trainer.step += 1
+            pending = trainer.live().submit(train_step, trainer.step)
+            engine.request("/update_weights", {"update_info": {}}, timeout=SYNC_TIMEOUT * 3)
+            version = str(pending.result(SYNC_TIMEOUT * 3)[0]["sync"]["version"])
+            engine.request("/finish_weight_update", {"weight_version": version})
+        finally:
+            engine.request("/resume", {})
+        assert engine.weight_version() == version
+    checkpoint = tmp_path / "weight_transfer"
+    trainer.live().call(save_checkpoint, str(checkpoint), str(model))
+    synced = digests(engine)
+    setup_engines([engine], first_rank=TRAINERS)
+    apply_checkpoint([engine], str(checkpoint))
+    assert digests(engine) == synced, "the server does not hold exactly the trainer's weights"
+    assert len(engine.complete_greedy(DEFAULT_PROMPTS[:1], max_tokens=4)[0]) == 4
