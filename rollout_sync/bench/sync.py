@@ -33,8 +33,9 @@ Last line with ``--json``: ``{"rows": [{"trainer", "ours_s", "baseline_s", "ours
 Measured (2026-11-30, 2 cores, load 3-6, 1 warm-up and 3 measured syncs per method): zero3 ours 0.533 s
 against 4.304 s (8.07x), trainer extra 12 KB against 622 MB, worker extra 8 KB against 311 MB, 1.19 GB moved
 against 2.38 GB; zero2 ours 0.531 s against 2.369 s (4.46x), trainer extra 4 KB against 0.68 MB; bitwise
-equal for both methods on both rows. The engine's loader probe took 42 s at these shapes (it kept each
-TP-2 worker under 1 GB; it was OOM-killed at 10 GB before the probe kept one integer per element).
+equal for both methods on both rows. The engine's loader probe took 42 s at these shapes, with the whole
+machine at 7 GB used during it (before the probe kept one integer per element of a window, a TP-2 worker was
+OOM-killed past 10 GB).
 """
 
 from __future__ import annotations
@@ -348,8 +349,9 @@ def run_row(
         extra["zero_optimization"] = dict(BUCKETS)
     spec = DeepSpeedSpec("dense-tied", zero_stage=stage, optimizer="sgd", extra_config=extra)
     with RankPool(TRAINERS, env=TRAINER_ENV, timeout=timeout * 4) as pool:
-        # The engine and its loader probe first, so that the probe's peak (about 0.7 GB per worker at
-        # these shapes) does not add to the trainer ranks' memory.
+        # The engine and its loader probe first, so that the probe's peak (its largest tensor: a probe
+        # buffer and a window of 4 bytes an element each, the 77.8M-element vocab shard) does not add to
+        # the trainer ranks' memory.
         start = time.perf_counter()
         llm, pids = start_engine(model)
         _log(f"{trainer}: vLLM TP-{TP} engine started in {time.perf_counter() - start:.1f} s")
