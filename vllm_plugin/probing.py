@@ -11,7 +11,8 @@ parameter's written window, accumulated over the probed dimensions a chunk at a 
 
 Memory: a probe buffer (4 bytes an element) per parameter of the probed tensor's layer, one landing (4
 bytes an element of the tensor's window in its parameter) at a time, and chunk-sized temporaries: for
-Qwen3-0.6B's 77.8M-element vocab shard at TP 2, about 0.7 GB at the peak. Only the parameters of the probed tensor's layer (the outermost integer segment of its name, as
+Qwen3-0.6B's 77.8M-element vocab shard at TP 2, about 0.7 GB at the peak (counted from the sizes, not
+measured per worker). Only the parameters of the probed tensor's layer (the outermost integer segment of its name, as
 vLLM's ``layerwise_groups`` uses) get real probe buffers; every other parameter gets a zero-memory tripwire
 (a one-element tensor expanded to its shape, which raises on a copy into it), so a loader that writes outside the expected scope raises
 and the tensor is probed again with every parameter given a probe buffer. Parameters and persistent
