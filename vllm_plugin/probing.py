@@ -165,10 +165,21 @@ def _probe_one(
         model.load_weights([(tensor, _probe_tensor(shape, dim, swap.probe_dtype))])
         for name in scope:
             flat = swap.buffers[name].view(-1)
-            first, stop, count = _written(flat)
-            if dim == 0 and count:
+            builder = builders.get(name)
+            if builder is None:  # dimension 0 opens the parameter's window; a later one must write nothing
+                first, stop, count = _written(flat)
+                if not count:
+                    continue
+                if dim:
+                    raise NotAffineError(
+                        f"probing dimension {dim} wrote into a parameter that probing dimension 0 left "
+                        "alone: the loader's placement depends on the values (it transforms them)",
+                        tensor=tensor,
+                        rank=rank,
+                        found=f"{count} elements of parameter {name!r}",
+                    )
                 real = swap.real[name]
-                builders[name] = LandingBuilder(
+                builder = builders[name] = LandingBuilder(
                     tensor,
                     shape,
                     rank,
@@ -178,27 +189,12 @@ def _probe_one(
                     start=first,
                     stop=stop,
                 )
-            builder = builders.get(name)
-            if builder is None:
-                if count:
-                    raise NotAffineError(
-                        f"probing dimension {dim} wrote into a parameter that probing dimension 0 left "
-                        "alone: the loader's placement depends on the values (it transforms them)",
-                        tensor=tensor,
-                        rank=rank,
-                        found=f"{count} elements of parameter {name!r}",
-                    )
-                continue
             lo, hi = builder.start, builder.start + builder.linear.shape[0]
-            inside = 0
-            for at in range(lo, hi, CHUNK):
-                chunk = flat[at : min(at + CHUNK, hi)]
-                inside += int((chunk != _EMPTY).sum())
-                builder.add(dim, at - lo, chunk.cpu().numpy())
-            builder.written_outside(dim, count - inside)
+            for at in range(lo, hi, CHUNK):  # the builder checks the window's holes against dimension 0's
+                builder.add(dim, at - lo, flat[at : min(at + CHUNK, hi)].cpu().numpy())
+            builder.written_outside(dim, _written(flat[:lo])[2] + _written(flat[hi:])[2])
             builder.dimension_done(dim)
-            if count:
-                flat.fill_(_EMPTY)
+            flat.fill_(_EMPTY)
     return [builder.landing() for builder in builders.values()]
 
 
