@@ -95,18 +95,21 @@ def _named_ranks(text: str, me: int) -> set[int]:
 
 
 def _engines(roster: Mapping[int, RosterEntry], ranks: Sequence[int]) -> str:
-    by_engine: dict[int | None, list[RosterEntry]] = {}
-    for r in sorted(ranks):
-        by_engine.setdefault(roster[r].engine, []).append(roster[r])
-    parts = []
-    for engine, entries in sorted(by_engine.items(), key=lambda kv: -1 if kv[0] is None else kv[0]):
-        if engine is None:
-            parts += [f"{e.role} (global rank {e.rank}, {e.where})" for e in entries]
-            continue
+    """The trainer ranks among ``ranks`` one by one, and each engine that one of ``ranks`` belongs to as a
+    whole (every rank and worker of it: an engine with one worker lost is lost)."""
+    trainers = [roster[r] for r in sorted(ranks) if roster[r].engine is None]
+    engines = sorted({e for r in ranks if (e := roster[r].engine) is not None})
+    parts = [f"{e.role} (global rank {e.rank}, {e.where})" for e in trainers]
+    for engine in engines:
+        entries = sorted((e for e in roster.values() if e.engine == engine), key=lambda e: e.rank)
         workers = ", ".join(f"worker {e.local_rank} {e.where}" for e in entries)
         ranks_text = ", ".join(str(e.rank) for e in entries)
         parts.append(f"engine {engine} (global ranks {ranks_text}: {workers})")
     return "; ".join(parts)
+
+
+def _ranks(ranks: set[int]) -> str:
+    return ("global rank " if len(ranks) == 1 else "global ranks ") + ", ".join(str(r) for r in sorted(ranks))
 
 
 def blame(
@@ -117,15 +120,18 @@ def blame(
     host: str | None = None,
 ) -> str:
     """A sentence naming the peers a failure of rank ``me`` is to blame on (see the module doc); empty
-    without a roster. ``text``: the failure's message; ``gone(pid)``: whether a local process exited."""
+    without a roster. ``text``: the failure's message; ``gone(pid)``: whether a local process exited. An
+    engine is named whole, whichever of its workers the evidence points at (when a server is killed, its
+    workers exit one after another: the first failure may see one of them gone), followed by that
+    evidence."""
     if not roster:
         return ""
     host = socket.gethostname() if host is None else host
     named = {r for r in _named_ranks(text, me) if r in roster}
     dead = {r for r, e in roster.items() if r != me and e.host == host and e.pid > 0 and gone(e.pid)}
     if dead:
-        return f"failed peer(s): {_engines(roster, sorted(dead))} (process gone)"
+        return f"failed peer(s): {_engines(roster, sorted(dead))} (process gone: {_ranks(dead)})"
     if named:
-        return f"failed peer(s): {_engines(roster, sorted(named))}"
+        return f"failed peer(s): {_engines(roster, sorted(named))} (named by the error: {_ranks(named)})"
     engines = [r for r, e in roster.items() if e.engine is not None]
     return f"the failed peer is not known; peers of this sync: {_engines(roster, engines)}"

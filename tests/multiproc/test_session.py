@@ -154,6 +154,51 @@ def only_rollout_receives(ctx, timeout_expected: float):
     return ("no error",)
 
 
+def gloo_event_loops(ctx) -> int:
+    """Threads of this process running a gloo device's event loop (one per live gloo group here)."""
+    import os
+
+    names = []
+    for task in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{task}/comm") as f:
+                names.append(f.read().strip())
+        except OSError:
+            continue  # the thread ended meanwhile
+    return sum(name.startswith("gloo_tcp") for name in names)
+
+
+def sync_while_trainer_1_dies(ctx):
+    """Trainer rank 1 dies instead of sending; every other rank syncs, fails, and reports its error and
+    how many gloo event loops it still runs."""
+    if ctx.rank == 1:
+        import os
+
+        os._exit(3)
+    try:
+        sync(ctx, 2, 2)
+    except (PeerFailedError, SyncTimeoutError) as exc:
+        return type(exc).__name__, gloo_event_loops(ctx)
+    return "no error", gloo_event_loops(ctx)
+
+
+def test_a_failed_sync_destroys_the_sync_group_on_every_surviving_rank(pool):
+    """After a failed sync no rank keeps the group's connections: gloo's ``shutdown`` alone leaves them
+    open, and a late message for a receive nobody waits for any more then spins gloo's event loop on a
+    core for as long as the group lives (seen in a vLLM worker, starving the engine's next call)."""
+    assert pool.call(gloo_event_loops) == [0, 0, 0, 0]
+    pool.call(join, f"tcp://127.0.0.1:{free_port()}", 8)
+    assert pool.call(gloo_event_loops) == [1, 1, 1, 1]  # the sync group's
+    pool.call(sync, 1, 1)
+    pending = pool.submit(sync_while_trainer_1_dies)
+    with pytest.raises(RankError, match="rank 1 died"):
+        pending.result(timeout=60)
+    for r in (0, 2, 3):
+        error, loops = pending._results[r]
+        assert error in ("PeerFailedError", "SyncTimeoutError"), pending._results[r]
+        assert loops == 0, f"rank {r} still runs {loops} gloo event loop(s) after the failed sync"
+
+
 def test_a_trainer_rank_dying_mid_sync_makes_every_worker_raise_in_time_without_claiming_the_version(pool):
     address = f"tcp://127.0.0.1:{free_port()}"
     pool.call(join, address, 8)

@@ -22,21 +22,32 @@ def test_a_roster_survives_the_welcome_round_trip() -> None:
     assert decode_roster(None) == {}
 
 
-def test_a_dead_local_worker_names_its_engine_with_its_ranks_and_process() -> None:
+ENGINE_1 = "engine 1 (global ranks 3, 4: worker 0 pid 300 on h, worker 1 pid 301 on other)"
+
+
+def test_a_dead_local_worker_names_its_whole_engine_and_which_process_is_gone() -> None:
     text = "rank 0: the plan agreement failed (a peer died or left): Connection closed by peer"
     got = blame(text, 0, ROSTER, gone=lambda pid: pid == 300, host="h")
-    assert got == "failed peer(s): engine 1 (global ranks 3: worker 0 pid 300 on h) (process gone)"
+    assert got == f"failed peer(s): {ENGINE_1} (process gone: global rank 3)"
 
 
-def test_a_peer_named_by_the_error_is_blamed_when_no_local_process_is_gone() -> None:
+def test_a_peer_named_by_the_error_is_blamed_with_its_engine_when_no_local_process_is_gone() -> None:
     text = "rank 1: sending to rank 4 (round 0) made no progress within 20 s"
     got = blame(text, 1, ROSTER, gone=lambda pid: False, host="h")
-    assert got == "failed peer(s): engine 1 (global ranks 4: worker 1 pid 301 on other)"
+    assert got == f"failed peer(s): {ENGINE_1} (named by the error: global rank 4)"
+
+
+def test_two_dead_trainer_ranks_are_each_named() -> None:
+    got = blame("rank 2: the sync's commit failed", 2, ROSTER, gone=lambda pid: pid in (100, 101), host="h")
+    assert got == (
+        "failed peer(s): trainer rank 0 (global rank 0, pid 100 on h); trainer rank 1 (global rank 1, pid 101 "
+        "on h) (process gone: global ranks 0, 1)"
+    )
 
 
 def test_a_dead_trainer_rank_is_named_as_a_trainer_rank() -> None:
     got = blame("rank 2: the sync's commit failed", 2, ROSTER, gone=lambda pid: pid == 101, host="h")
-    assert got == "failed peer(s): trainer rank 1 (global rank 1, pid 101 on h) (process gone)"
+    assert got == "failed peer(s): trainer rank 1 (global rank 1, pid 101 on h) (process gone: global rank 1)"
 
 
 def test_without_evidence_every_engine_is_listed_and_without_a_roster_nothing_is_added() -> None:
