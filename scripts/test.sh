@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The project's test command: sets up the environment if needed (scripts/setup.sh, idempotent), then runs
-# the linters, the type checker and the test suite (all tests but those marked gpu). Extra arguments go to
-# pytest, e.g. `bash scripts/test.sh -m "not vllm" -x`.
+# the linters, the type checker and the test suite (all tests but those marked gpu) on two pytest-xdist
+# workers (ROLLOUT_SYNC_TEST_WORKERS; 0 runs in this process; tests/conftest.py groups the tests). Extra
+# arguments go to pytest, e.g. `bash scripts/test.sh -m "not vllm" -x`.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
@@ -15,4 +16,9 @@ echo "[test] ruff" >&2
 echo "[test] mypy" >&2
 "$py" -m mypy
 echo "[test] pytest" >&2
-"$py" -m pytest --durations=25 "$@"  # the 25 slowest tests are listed at the end
+workers="${ROLLOUT_SYNC_TEST_WORKERS:-2}"
+parallel=()
+if [ "$workers" != 0 ]; then
+  parallel=(-n "$workers" --dist loadscope --no-loadscope-reorder)
+fi
+"$py" -m pytest "${parallel[@]}" --durations=25 "$@"  # the 25 slowest tests are listed at the end

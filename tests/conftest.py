@@ -10,11 +10,19 @@ Fixtures:
   built once per session (or once per machine with ``ROLLOUT_SYNC_TEST_CACHE=<dir>``).
 - ``vllm_pool``: the session's ``VllmEnginePool``; ``vllm_pool.get(shared_spec(path, tp))`` returns a
   shared running engine, ``vllm_pool.restore(engine)`` puts its start weights back after a test changed
-  them. The modules that use it run last, in ``ENGINE_MODULE_ORDER``, so that consecutive modules reuse
+  them. The modules that use it run first, in ``ENGINE_MODULE_ORDER``, so that consecutive modules reuse
   engines. All engines are shut down at the end of the session, and a process left behind fails the run.
 
-Harness timings (model builds, engine start-ups) are printed in the terminal summary. A process that a
-test started and that is still alive when the session ends is listed, killed, and fails the run.
+Parallel runs (``pytest -n 2 --dist loadscope --no-loadscope-reorder``, what ``scripts/test.sh`` runs):
+``pytest_xdist_make_scheduler`` hands each worker whole groups (``test_group``): the engine modules share
+one (one worker, one pool, the order above), every other module is a group of its own (module-scoped
+fixtures such as the served engines start once). The longest groups come first in the collection (the
+engine modules, then the served engines), so the two workers start on them while the short modules fill
+in behind.
+
+Harness timings (model builds, engine start-ups) are printed in the terminal summary, per worker. A process
+that a test started and that is still alive when its session (its worker's, in a parallel run) ends is
+listed, killed, and fails the run.
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ import os
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -42,7 +51,7 @@ def _cuda_available() -> bool:
 
 
 #: Modules that use the shared vLLM engines, in the order that lets consecutive modules reuse them (pool
-#: capacity 2; see each module for its engines). They run after every other test, in this order.
+#: capacity 2; see each module for its engines). They run before every other test, in this order.
 ENGINE_MODULE_ORDER = (
     "tests/smoke/test_vllm_smoke.py",  # dense seed 0, TP 2
     "tests/e2e/test_e2e_weight_transfer.py",  # dense seed 0, TP 2
@@ -52,25 +61,50 @@ ENGINE_MODULE_ORDER = (
     "tests/vllm/test_dry_run_matches_live_rollout.py",  # the same EP engine; then dense-tied seed 0, TP 2
     "tests/vllm/test_rollout_engines.py",  # dense-tied seeds 0 and 1, TP 2
 )
+#: The longest module outside the pool (served engines started by the module): right after the pool's.
+LONG_MODULES = ("tests/serve/test_serve.py",)
+ENGINE_GROUP = "vllm-engine-pool"
 
 
-def _order_engine_modules(config: pytest.Config, items: list[pytest.Item]) -> None:
-    root = Path(str(config.rootpath))
-    rank = {name: i + 1 for i, name in enumerate(ENGINE_MODULE_ORDER)}
+def _module(config: pytest.Config, item: pytest.Item) -> str:
+    try:
+        return Path(str(item.path)).relative_to(Path(str(config.rootpath))).as_posix()
+    except ValueError:
+        return str(item.path)
 
-    def key(pair: tuple[int, pytest.Item]) -> tuple[int, int]:
-        index, item = pair
-        try:
-            module = Path(str(item.path)).relative_to(root).as_posix()
-        except ValueError:
-            module = ""
-        return rank.get(module, 0), index
 
-    items[:] = [item for _, item in sorted(enumerate(items), key=key)]
+def _order(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The engine modules first (in ``ENGINE_MODULE_ORDER``), then ``LONG_MODULES``, then the rest in
+    collection order."""
+    first = (*ENGINE_MODULE_ORDER, *LONG_MODULES)
+    rank = {name: i for i, name in enumerate(first)}
+    modules = [_module(config, item) for item in items]
+    order = sorted(range(len(items)), key=lambda i: (rank.get(modules[i], len(first)), i))
+    items[:] = [items[i] for i in order]
+
+
+def test_group(nodeid: str) -> str:
+    """The unit of work a parallel run hands to one worker: the engine modules share one (one pool of
+    engines), every other module is one of its own (its module-scoped fixtures start once)."""
+    module = nodeid.split("::", 1)[0]
+    return ENGINE_GROUP if module in ENGINE_MODULE_ORDER else module
+
+
+@pytest.hookimpl(optionalhook=True)  # a pytest-xdist hook (controller): how work is split over workers
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """pytest-xdist's scope scheduling with ``test_group`` as the scope. (Its ``--dist loadgroup`` marks
+    travel in node ids, which pytest 9.2 no longer lets a plugin change: pytest-xdist issue 1386.)"""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class GroupScheduling(LoadScopeScheduling):  # type: ignore[misc]
+        def _split_scope(self, nodeid: str) -> str:
+            return test_group(nodeid)
+
+    return GroupScheduling(config, log)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    _order_engine_modules(config, items)
+    _order(config, items)
     needs = {
         "gpu": (_cuda_available, "needs CUDA, which this machine does not have"),
         "vllm": (lambda: importlib.util.find_spec("vllm") is not None, "vLLM is not installed"),
@@ -91,18 +125,23 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 _LEFTOVERS_KEY = pytest.StashKey[list[str]]()
+_TIMINGS_KEY = pytest.StashKey[list[tuple[str, float]]]()
+_WORKER_OUTPUT = "rollout_sync_harness"
 # Started once by Python's multiprocessing and kept until this process exits; not a leak.
 _PROCESS_LIFETIME_HELPERS = ("multiprocessing.resource_tracker", "multiprocessing.forkserver")
 
 
-@pytest.hookimpl(trylast=True)  # after the runner has torn down session fixtures (the engine pool)
-def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    """Every process a test started must be gone by now (engines shut down, ranks joined). Any that is not
-    is listed in the summary, killed by pid, and fails the run."""
+def _is_xdist_controller(config: pytest.Config) -> bool:
+    return not hasattr(config, "workerinput") and getattr(config.option, "dist", "no") != "no"
+
+
+def _kill_leftovers() -> list[str]:
+    """Every process this one started that is still alive (engines not shut down, ranks not joined):
+    described, then killed."""
     try:
         import psutil
     except ImportError:
-        return
+        return []
     leftovers = []
     for proc in psutil.Process().children(recursive=True):
         try:
@@ -113,18 +152,53 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
             proc.kill()
         except psutil.Error:
             continue
-    session.config.stash[_LEFTOVERS_KEY] = leftovers
+    return leftovers
+
+
+@pytest.hookimpl(trylast=True)  # after the runner has torn down session fixtures (the engine pool)
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Every process a test started must be gone by now. Any that is not is listed in the summary, killed
+    by pid, and fails the run. In a parallel run each worker checks its own processes and hands its list
+    and its harness timings to the controller (``pytest_testnodedown``), which runs no test itself."""
+    config = session.config
+    if _is_xdist_controller(config):
+        leftovers = config.stash.get(_LEFTOVERS_KEY, [])
+    else:
+        leftovers = _kill_leftovers()
+        config.stash[_LEFTOVERS_KEY] = leftovers
+        config.stash[_TIMINGS_KEY] = timings.records()
+        output = getattr(config, "workeroutput", None)
+        if output is not None:
+            output[_WORKER_OUTPUT] = {"leftovers": leftovers, "timings": timings.records()}
     if leftovers and session.exitstatus == pytest.ExitCode.OK:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
+@pytest.hookimpl(optionalhook=True)  # a pytest-xdist hook: called in the controller as a worker ends
+def pytest_testnodedown(node: Any, error: Any) -> None:
+    report = getattr(node, "workeroutput", {}).get(_WORKER_OUTPUT)
+    if not report:
+        return
+    worker = node.workeroutput.get("workerid", "worker")
+    config = node.config
+    config.stash[_LEFTOVERS_KEY] = [
+        *config.stash.get(_LEFTOVERS_KEY, []),
+        *(f"[{worker}] {line}" for line in report["leftovers"]),
+    ]
+    config.stash[_TIMINGS_KEY] = [
+        *config.stash.get(_TIMINGS_KEY, []),
+        *((f"[{worker}] {label}", seconds) for label, seconds in report["timings"]),
+    ]
+
+
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
-    leftovers = terminalreporter.config.stash.get(_LEFTOVERS_KEY, [])
+    config = terminalreporter.config
+    leftovers = config.stash.get(_LEFTOVERS_KEY, [])
     if leftovers:
         terminalreporter.section("processes left running by the tests (killed; the run fails)", red=True)
         for line in leftovers:
             terminalreporter.write_line(line)
-    figures = timings.records()
+    figures = config.stash.get(_TIMINGS_KEY, [])
     if not figures:
         return
     terminalreporter.section("rollout-sync harness timings")
