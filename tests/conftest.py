@@ -14,7 +14,7 @@ Fixtures:
   engines. All engines are shut down at the end of the session, and a process left behind fails the run.
 
 Parallel runs (``pytest -n 2 --dist loadscope --no-loadscope-reorder``, what ``scripts/test.sh`` runs):
-``pytest_xdist_make_scheduler`` hands each worker whole groups (``test_group``): the engine modules share
+``pytest_xdist_make_scheduler`` hands each worker whole groups (``work_unit``): the engine modules share
 one (one worker, one pool, the order above), every other module is a group of its own (module-scoped
 fixtures such as the served engines start once). The longest groups come first in the collection (the
 engine modules, then the served engines), so the two workers start on them while the short modules fill
@@ -83,7 +83,7 @@ def _order(config: pytest.Config, items: list[pytest.Item]) -> None:
     items[:] = [items[i] for i in order]
 
 
-def test_group(nodeid: str) -> str:
+def work_unit(nodeid: str) -> str:
     """The unit of work a parallel run hands to one worker: the engine modules share one (one pool of
     engines), every other module is one of its own (its module-scoped fixtures start once)."""
     module = nodeid.split("::", 1)[0]
@@ -92,13 +92,13 @@ def test_group(nodeid: str) -> str:
 
 @pytest.hookimpl(optionalhook=True)  # a pytest-xdist hook (controller): how work is split over workers
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
-    """pytest-xdist's scope scheduling with ``test_group`` as the scope. (Its ``--dist loadgroup`` marks
+    """pytest-xdist's scope scheduling with ``work_unit`` as the scope. (Its ``--dist loadgroup`` marks
     travel in node ids, which pytest 9.2 no longer lets a plugin change: pytest-xdist issue 1386.)"""
     from xdist.scheduler import LoadScopeScheduling
 
     class GroupScheduling(LoadScopeScheduling):  # type: ignore[misc]
         def _split_scope(self, nodeid: str) -> str:
-            return test_group(nodeid)
+            return work_unit(nodeid)
 
     return GroupScheduling(config, log)
 
@@ -179,7 +179,7 @@ def pytest_testnodedown(node: Any, error: Any) -> None:
     report = getattr(node, "workeroutput", {}).get(_WORKER_OUTPUT)
     if not report:
         return
-    worker = node.workeroutput.get("workerid", "worker")
+    worker = node.workerinput["workerid"]
     config = node.config
     config.stash[_LEFTOVERS_KEY] = [
         *config.stash.get(_LEFTOVERS_KEY, []),
