@@ -66,27 +66,24 @@ LONG_MODULES = ("tests/serve/test_serve.py",)
 ENGINE_GROUP = "vllm-engine-pool"
 
 
-def _module(config: pytest.Config, item: pytest.Item) -> str:
-    try:
-        return Path(str(item.path)).relative_to(Path(str(config.rootpath))).as_posix()
-    except ValueError:
-        return str(item.path)
+def _module(nodeid: str) -> str:
+    """The test module of a node id, relative to the root directory (``tests/serve/test_serve.py``)."""
+    return nodeid.split("::", 1)[0]
 
 
-def _order(config: pytest.Config, items: list[pytest.Item]) -> None:
+def _order(items: list[pytest.Item]) -> None:
     """The engine modules first (in ``ENGINE_MODULE_ORDER``), then ``LONG_MODULES``, then the rest in
     collection order."""
     first = (*ENGINE_MODULE_ORDER, *LONG_MODULES)
     rank = {name: i for i, name in enumerate(first)}
-    modules = [_module(config, item) for item in items]
-    order = sorted(range(len(items)), key=lambda i: (rank.get(modules[i], len(first)), i))
+    order = sorted(range(len(items)), key=lambda i: (rank.get(_module(items[i].nodeid), len(first)), i))
     items[:] = [items[i] for i in order]
 
 
 def work_unit(nodeid: str) -> str:
     """The unit of work a parallel run hands to one worker: the engine modules share one (one pool of
     engines), every other module is one of its own (its module-scoped fixtures start once)."""
-    module = nodeid.split("::", 1)[0]
+    module = _module(nodeid)
     return ENGINE_GROUP if module in ENGINE_MODULE_ORDER else module
 
 
@@ -104,7 +101,7 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    _order(config, items)
+    _order(items)
     needs = {
         "gpu": (_cuda_available, "needs CUDA, which this machine does not have"),
         "vllm": (lambda: importlib.util.find_spec("vllm") is not None, "vLLM is not installed"),
@@ -166,10 +163,11 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     else:
         leftovers = _kill_leftovers()
         config.stash[_LEFTOVERS_KEY] = leftovers
-        config.stash[_TIMINGS_KEY] = timings.records()
+        figures = timings.records()
+        config.stash[_TIMINGS_KEY] = figures
         output = getattr(config, "workeroutput", None)
         if output is not None:
-            output[_WORKER_OUTPUT] = {"leftovers": leftovers, "timings": timings.records()}
+            output[_WORKER_OUTPUT] = {"leftovers": leftovers, "timings": figures}
     if leftovers and session.exitstatus == pytest.ExitCode.OK:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
