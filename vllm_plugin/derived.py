@@ -11,8 +11,9 @@ weights in another form, made once by ``process_weights_after_loading``:
 - **CPU dense prepack** (AVX-512/AMX CPUs; not present on AVX2): ``dispatch_cpu_unquantized_gemm`` may
   build a oneDNN handle or an sgl-packed weight and keep it in ``layer.cpu_linear``'s closure. For
   ``VocabParallelEmbedding``/``ParallelLMHead`` the weight stays and the dispatch is simply run again after
-  a write; for linear layers vLLM removes the weight (an empty parameter), so nothing can be written in
-  place and ``check_writable`` refuses the engine, naming the layers.
+  a write; for linear layers vLLM removes the weight (an empty parameter): those layers are not derived
+  copies but layers kept in another form, written in their loaded form and rebuilt by vLLM's own post-load
+  step (``vllm_plugin.loaded_form``).
 - **MoE on other platforms**: vLLM's unquantized MoE method re-runs its weight conversion into the
   existing storage when ``process_weights_after_loading`` is called again (its documented RL path); that
   is what the refresh calls. Not measured here (no GPU build in this environment).
@@ -25,36 +26,16 @@ from typing import Any
 
 import torch
 
-from rollout_sync.errors import UnsupportedLayoutError
 from rollout_sync.rollout.apply import DerivedCopy, covered_ranges, uncovered_ranges
 from rollout_sync.rollout.probe import StorageView
 
-__all__ = ["check_writable", "derived_copies"]
+__all__ = ["derived_copies"]
 
 
 def _closure_holds_state(fn: Any) -> bool:
     """True when ``fn`` is a closure over something (a prepacked weight, a oneDNN handle)."""
     closure = getattr(fn, "__closure__", None)
     return bool(closure)
-
-
-def check_writable(model: torch.nn.Module) -> None:
-    """Refuse a model whose linear layers compute from a prepacked copy and hold no weight any more."""
-    removed = [
-        name
-        for name, module in model.named_modules()
-        if _closure_holds_state(getattr(module, "cpu_linear", None))
-        and isinstance(getattr(module, "weight", None), torch.Tensor)
-        and module.weight.numel() == 0
-    ]
-    if removed:
-        raise UnsupportedLayoutError(
-            "vLLM replaced these layers' weights by a kernel's prepacked copy (CPU oneDNN / sgl GEMM "
-            "dispatch) and keeps no weight to write in place",
-            tensor=removed[0],
-            expected="layers that keep their weight",
-            found=f"{len(removed)} layers with an empty weight, first {removed[:3]}",
-        )
 
 
 def _cpu_moe_refresh(layer: torch.nn.Module, isa: str, zero: Mapping[str, Sequence[tuple[int, int]]]) -> Any:

@@ -55,6 +55,10 @@ class RolloutSyncExtension:
         self.rollout_sync_worker = worker
         return worker.summary()
 
+    def rollout_sync_summary(self) -> dict[str, Any]:
+        """This worker's setup summary (as ``rollout_sync_setup`` returned it, current)."""
+        return self.rollout_sync_get().summary()
+
     def rollout_sync_fallback(self, names: Sequence[str], reason: str) -> dict[str, Any]:
         """Stage ``names`` whole and load them through ``load_weights`` on this worker too (refused
         elsewhere; a map's boxes must agree on every rank)."""
@@ -79,6 +83,20 @@ class RolloutSyncExtension:
 
         model = self.model_runner.model  # type: ignore[attr-defined]
         return {n: param_digest(p.data) for n, p in model.named_parameters()}
+
+    def rollout_sync_record_loaded(self, on: bool = True) -> int:
+        """Digest every layer's loaded form as a sync completes it, before vLLM rebuilds the kernel's form
+        from it (off by default: it reads every byte). Returns how many layers are kept in another form."""
+        worker = self.rollout_sync_get()
+        worker.record_loaded = bool(on)
+        worker.loaded_digests.clear()
+        return 0 if worker.loaded_forms is None else len(worker.loaded_forms.layers)
+
+    def rollout_sync_loaded_digests(self) -> dict[str, str]:
+        """SHA-256 of the loaded form of every parameter of a layer kept in another form, as the last
+        update wrote it (``rollout_sync_record_loaded``; empty before setup)."""
+        worker = self.rollout_sync_worker
+        return {} if worker is None else dict(worker.loaded_digests)
 
     def rollout_sync_uncovered(self) -> dict[str, list[list[int]]]:
         """Per parameter, the flat element ranges no storage view covers (padding the sync never writes)."""

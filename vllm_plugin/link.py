@@ -3,8 +3,10 @@ the weight-transfer backend).
 
 ``connect`` sends this worker's target maps (from its ``RolloutWorker``) through the handshake and joins
 the group. ``receive`` opens an update (forwards refuse to run meanwhile), receives this worker's half
-straight into the storage views (staging buffers for tensors refused for in-place writes), commits with
-every other rank, then loads staged tensors and rebuilds derived copies. A failed receive aborts the update
+straight into the storage views (staging buffers for tensors refused for in-place writes; the loaded form
+of a layer vLLM keeps in another form, made when its first tensor arrives and rebuilt by vLLM as soon as
+its last one has landed), commits with every other rank, then loads staged tensors and rebuilds derived
+copies. A failed receive aborts the update
 and leaves the link ``incomplete``: the worker does not claim the new version.
 """
 
@@ -12,12 +14,29 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
+from rollout_sync.rollout.apply import UpdateSession
 from rollout_sync.sync.rollout import RolloutLink
 from rollout_sync.transport import DEFAULT_STAGING_CAP_BYTES
 
 from .worker_state import RolloutWorker
 
 __all__ = ["connect", "receive"]
+
+
+class _SessionStream:
+    """The executor's ``TargetStream`` over an update: a streamed tensor's storage is made by opening its
+    layer's loaded form; its last landed part marks it written (which rebuilds a completed layer)."""
+
+    def __init__(self, session: UpdateSession) -> None:
+        self.session = session
+
+    def open(self, name: str) -> torch.Tensor:
+        return self.session.storage(name)
+
+    def close(self, name: str) -> None:
+        self.session.mark_written(name)
 
 
 def connect(
@@ -52,8 +71,11 @@ def receive(worker: RolloutWorker, link: RolloutLink, *, open_update: bool = Tru
     if session is None:
         raise RuntimeError(f"rank {worker.rank}: no weight update is open (call start_weight_update first)")
     try:
-        targets = {name: session.storage(name) for name in link.target_names}
-        result = link.receive(targets)
+        targets = {
+            name: session.placeholder(name) if session.streamed(name) else session.storage(name)
+            for name in link.target_names
+        }
+        result = link.receive(targets, _SessionStream(session))
         for name in link.target_names:
             session.mark_written(name)
         report = worker.finish() if open_update else {}

@@ -74,29 +74,60 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 class _Swap:
-    """Holds the real ``.data`` of every parameter and swaps probe buffers or tripwires in and out."""
+    """Holds the real ``.data`` of every parameter and swaps probe buffers or tripwires in and out.
 
-    def __init__(self, params: Mapping[str, torch.nn.Parameter], probe_dtype: torch.dtype) -> None:
+    A parameter on the meta device (a layer's loaded form restored for probing, ``loaded_form``) cannot
+    take another device's data through ``.data``: its module gets a stand-in parameter object instead (the
+    buffer, of the parameter's class, with its attributes: its weight loader), and the meta parameter is
+    put back afterwards. Its probe buffers live on ``meta_device``."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        params: Mapping[str, torch.nn.Parameter],
+        probe_dtype: torch.dtype,
+        meta_device: torch.device,
+    ) -> None:
+        self.model = model
         self.params = params
         self.real = {name: p.data for name, p in params.items()}
         self.probe_dtype = probe_dtype
+        self.meta_device = meta_device
         self.buffers: dict[str, torch.Tensor] = {}
+
+    def _device(self, real: torch.Tensor) -> torch.device:
+        return self.meta_device if real.is_meta else real.device
+
+    def _put(self, name: str, data: torch.Tensor) -> None:
+        p = self.params[name]
+        if not self.real[name].is_meta:
+            p.data = data
+            return
+        owner, _, leaf = name.rpartition(".")
+        module = self.model.get_submodule(owner) if owner else self.model
+        if data is self.real[name]:
+            module._parameters[leaf] = p
+            return
+        stand_in = data.as_subclass(type(p))
+        stand_in.__dict__.update(p.__dict__)
+        module._parameters[leaf] = stand_in
 
     def scope(self, names: Sequence[str]) -> None:
         """Probe buffers for ``names``, tripwires for every other parameter."""
         wanted = set(names)
-        for name, p in self.params.items():
+        for name in self.params:
             real = self.real[name]
+            device = self._device(real)
             if name in wanted:
                 buf = self.buffers.get(name)
                 if buf is None:
-                    buf = torch.full(real.shape, _EMPTY, dtype=self.probe_dtype, device=real.device)
+                    buf = torch.full(real.shape, _EMPTY, dtype=self.probe_dtype, device=device)
                     self.buffers[name] = buf
                 else:
                     buf.fill_(_EMPTY)
-                p.data = buf
+                self._put(name, buf)
             else:
-                p.data = torch.empty((), dtype=self.probe_dtype, device=real.device).expand(real.shape)
+                self._put(name, torch.empty((), dtype=self.probe_dtype, device=device).expand(real.shape))
         for name in list(self.buffers):
             if name not in wanted:
                 del self.buffers[name]
@@ -107,8 +138,8 @@ class _Swap:
             buf.fill_(_EMPTY)
 
     def restore(self) -> None:
-        for name, p in self.params.items():
-            p.data = self.real[name]
+        for name in self.params:
+            self._put(name, self.real[name])
         self.buffers.clear()
 
 
@@ -204,11 +235,13 @@ def probe_model(
     *,
     rank: int,
     observe: Callable[[Observation], None],
+    meta_device: torch.device | None = None,
 ) -> ProbeResult:
     """Run the loader probe for every logical tensor ``name -> shape`` on ``model`` (a vLLM model with
     ``load_weights``), handing each tensor's ``Observation`` to ``observe`` as soon as it is made (so only
     one tensor's landings are alive at a time). The model's parameters and buffers are unchanged
-    afterwards."""
+    afterwards. Parameters on the meta device (loaded forms restored for probing) get their probe buffers
+    on ``meta_device`` (default: the device of the first parameter that is not on meta, else CPU)."""
     import time
 
     started = time.perf_counter()
@@ -223,7 +256,10 @@ def probe_model(
     for pname in params:
         params_by_key.setdefault(stack_key(pname), []).append(pname)
     everything = list(params)
-    swap = _Swap(params, probe_dtype)
+    if meta_device is None:
+        real = next((p for p in params.values() if not p.is_meta), None)
+        meta_device = real.device if real is not None else torch.device("cpu")
+    swap = _Swap(model, params, probe_dtype, meta_device)
 
     def report(name: str, landings: list[Landing] | None, error: str | None) -> None:
         dtype = _dtype_name(swap.real[landings[0].param].dtype) if landings else None  # not the probe dtype

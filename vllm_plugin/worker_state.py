@@ -1,5 +1,9 @@
 """The rollout side inside one vLLM worker: its target maps, its derived copies and its weight updates.
 
+Layers vLLM keeps in another form than their loaded form (packed, quantized, removed weights:
+``vllm_plugin.loaded_form``) are probed and written in their loaded form, one layer at a time, and rebuilt
+by vLLM's post-load processing as each completes.
+
 ``RolloutWorker`` is a plain object built from the worker's model and config. The worker extension and the
 weight-transfer engine are thin shells around it (they import vLLM, this module touches vLLM only through
 the model object and the two helpers it calls: the probe and the derived-copy finder).
@@ -38,6 +42,8 @@ from rollout_sync.rollout.checkpoint import logical_tensors, read_tensors
 from rollout_sync.rollout.codec import local_targets_to_dict
 from rollout_sync.rollout.probe import DEFAULT_MAX_PIECES, LocalTargets, TargetsBuilder, fallback_map
 
+from .loaded_form import LoadedForms
+
 __all__ = ["RolloutWorker", "param_digest"]
 
 
@@ -73,8 +79,12 @@ class RolloutWorker:
         probe_seconds: float,
         fallback_dtype: str,
         shapes: Mapping[str, tuple[int, ...]],
+        loaded_forms: LoadedForms | None = None,
     ) -> None:
         self.model = model
+        self.loaded_forms = loaded_forms if loaded_forms else None
+        self.record_loaded = False
+        self.loaded_digests: dict[str, str] = {}
         self.fallback_dtype = fallback_dtype
         self.shapes = dict(shapes)
         self.targets = targets
@@ -102,7 +112,8 @@ class RolloutWorker:
     ) -> RolloutWorker:
         """Probe the model's loaders and build this worker's targets. ``tensors``: logical tensor name ->
         shape; by default every tensor of the checkpoint the engine was started from."""
-        from .derived import check_writable, derived_copies
+        from .derived import derived_copies
+        from .loaded_form import LoadedForms
         from .probing import probe_model
 
         parallel = vllm_config.parallel_config
@@ -118,18 +129,20 @@ class RolloutWorker:
             shapes = {n: s for n, (s, _) in logical_tensors(_model_checkpoint_dir(vllm_config)).items()}
         else:
             shapes = {str(n): tuple(int(x) for x in s) for n, s in tensors.items()}
-        check_writable(model)
+        forms = LoadedForms.find(model)
         model_dtype = str(vllm_config.model_config.dtype).removeprefix("torch.")
         builder = TargetsBuilder(first_rank + tp_rank, fallback_dtype=model_dtype, max_pieces=max_pieces)
-        result = probe_model(
-            model,
-            shapes,
-            rank=first_rank + tp_rank,
-            observe=lambda seen: builder.add(
-                seen.name, seen.shape, seen.dtype or model_dtype, seen.landings, seen.error
-            ),
-        )
+        with forms.probing():  # transformed layers in their loaded form while the loaders are probed
+            result = probe_model(
+                model,
+                shapes,
+                rank=first_rank + tp_rank,
+                observe=lambda seen: builder.add(
+                    seen.name, seen.shape, seen.dtype or model_dtype, seen.landings, seen.error
+                ),
+            )
         targets = builder.build()
+        forms.bind(targets.views)  # refuses a layer that cannot be rebuilt from what the plan delivers
         derived = derived_copies(model, targets.views)
         return cls(
             model,
@@ -139,6 +152,7 @@ class RolloutWorker:
             probe_seconds=result.seconds,
             fallback_dtype=model_dtype,
             shapes=shapes,
+            loaded_forms=forms,
         )
 
     def force_fallback(self, names: Sequence[str], reason: str) -> None:
@@ -168,7 +182,11 @@ class RolloutWorker:
     def summary(self) -> dict[str, Any]:
         """JSON-able facts about this worker's targets."""
         in_place = [n for n, v in self.targets.views.items() if v.param is not None]
+        forms = self.loaded_forms
+        loaded = {name: forms.loaded_bytes(name) for name in forms.layers} if forms is not None else {}
         return {
+            "loaded_form_layers": len(loaded),
+            "largest_layer_loaded_bytes": max(loaded.values(), default=0),
             "rank": self.rank,
             "tp_rank": self.tp_rank,
             "in_place": len(in_place),
@@ -187,8 +205,11 @@ class RolloutWorker:
     def uncovered(self) -> dict[str, list[tuple[int, int]]]:
         """Per parameter holding some storage, the flat ranges no storage covers (padding)."""
         views = list(self.targets.views.values())
+        forms = self.loaded_forms
         out = {}
         for name, data in self.params().items():
+            if forms is not None and forms.layer_of(name) is not None:
+                continue  # a loaded form: made at each sync with its uncovered elements zeroed
             covered = covered_ranges(views, name)
             if covered:
                 out[name] = uncovered_ranges(data.numel(), covered)
@@ -215,6 +236,8 @@ class RolloutWorker:
             self.params(),
             self.derived,
             load_full,
+            self.loaded_forms,
+            self._record_loaded if self.record_loaded else None,
         )
         rank = self.rank
 
@@ -225,6 +248,11 @@ class RolloutWorker:
 
         self._guard = self.model.register_forward_pre_hook(refuse_forward)
         return self.session
+
+    def _record_loaded(self, layer: str, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Digest a completed layer's loaded form before vLLM processes it (what the sync wrote)."""
+        for name, t in tensors.items():
+            self.loaded_digests[name] = param_digest(t)
 
     def _close(self) -> None:
         if self._guard is not None:
@@ -245,7 +273,10 @@ class RolloutWorker:
         return {"rank": self.rank, "written": len(session.written), "refreshed": refreshed}
 
     def abort(self) -> None:
-        """Close an open update without completing it (the weights may be inconsistent)."""
+        """Close an open update without completing it (the weights may be inconsistent; a layer kept in
+        another form that was written in part keeps its old weights)."""
+        if self.session is not None:
+            self.session.abort()
         self._close()
 
     def write_checkpoint(self, path: str, names: Sequence[str] | None = None) -> int:

@@ -7,7 +7,10 @@ No vLLM import: storages are plain tensors (views of the engine's parameters, lo
 An update is one ``UpdateSession``: ``storage(name)`` hands out the view to receive into (a staging
 buffer for a refused tensor), ``mark_written(name)`` records what arrived, and ``finish()`` loads the
 staging buffers through the full-tensor path, then rebuilds every derived copy whose parameters were
-written. A derived copy that lives *in place* of its parameter (vLLM's CPU MoE prepack: same shape, other
+written. A layer whose storage exists only during an update (``TransientLayers``: a loaded form that the
+engine turns into a kernel's form) is opened at the first ``storage`` call for one of its tensors and
+closed (rebuilt, freed) by the ``mark_written`` of its last one, so layers stream through memory in the
+order the tensors arrive. A derived copy that lives *in place* of its parameter (vLLM's CPU MoE prepack: same shape, other
 layout) can only be rebuilt from a parameter written whole; ``finish`` refuses a partial write of one
 (``IncompleteUpdateError``) rather than mix layouts.
 """
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -25,6 +29,7 @@ from .probe import StorageView
 
 __all__ = [
     "DerivedCopy",
+    "TransientLayers",
     "UpdateSession",
     "covered_ranges",
     "piece_view",
@@ -123,8 +128,35 @@ class DerivedCopy:
     in_place: bool
 
 
+class TransientLayers(Protocol):
+    """Layers whose storage exists only while an update writes them: the engine keeps another form (a
+    kernel's packed or quantized weights) and rebuilds it from the written loaded form."""
+
+    def layer_of(self, param: str | None) -> str | None:
+        """The transient layer parameter ``param`` belongs to, or None."""
+        ...
+
+    def open(self, layer: str) -> Mapping[str, torch.Tensor]:
+        """Materialize ``layer``'s loaded form; parameter name -> tensor to write into."""
+        ...
+
+    def close(self, layer: str) -> None:
+        """Every element of ``layer`` was written: rebuild the engine's form from it, free it."""
+        ...
+
+    def discard(self) -> list[str]:
+        """Drop every open layer unrebuilt (the engine keeps its old form); the layers dropped."""
+        ...
+
+
+LoadedHook = Callable[[str, Mapping[str, torch.Tensor]], None]
+
+
 class UpdateSession:
-    """One weight update on one rank. Not thread-safe; one session at a time per worker."""
+    """One weight update on one rank. Not thread-safe; one session at a time per worker.
+
+    ``transient``: layers written in their loaded form and rebuilt as each completes; ``on_loaded(layer,
+    tensors)`` sees a completed layer's loaded form just before it is rebuilt (a digest check)."""
 
     def __init__(
         self,
@@ -134,6 +166,8 @@ class UpdateSession:
         params: Mapping[str, torch.Tensor],
         derived: Sequence[DerivedCopy],
         load_full: Callable[[Sequence[tuple[str, torch.Tensor]]], None],
+        transient: TransientLayers | None = None,
+        on_loaded: LoadedHook | None = None,
     ) -> None:
         self.rank = rank
         self.views = views
@@ -141,14 +175,50 @@ class UpdateSession:
         self.params = params
         self.derived = derived
         self.load_full = load_full
+        self.transient = transient
+        self.on_loaded = on_loaded
         self.written: set[str] = set()
         self.staging: dict[str, torch.Tensor] = {}
+        self.layer_tensors: dict[str, frozenset[str]] = {}
+        if transient is not None:
+            by_layer: dict[str, set[str]] = {}
+            for name, view in views.items():
+                layer = transient.layer_of(view.param)
+                if layer is not None:
+                    by_layer.setdefault(layer, set()).add(name)
+            self.layer_tensors = {k: frozenset(v) for k, v in by_layer.items()}
+        self.layer_of = {n: layer for layer, names in self.layer_tensors.items() for n in names}
+        self.pending: dict[str, set[str]] = {}  # open layer -> its tensors not yet written
+        self.opened: dict[str, Mapping[str, torch.Tensor]] = {}
+        self.rebuilt: list[str] = []
+
+    def streamed(self, name: str) -> bool:
+        """Whether ``name``'s storage exists only while it is written (a transient layer's)."""
+        return name in self.layer_of
+
+    def placeholder(self, name: str) -> torch.Tensor:
+        """A meta tensor with the shape and dtype of ``name``'s storage (checked before it exists)."""
+        view = self.views[name]
+        return torch.empty(view.shape, dtype=torch_dtype(self.dtypes[name]), device="meta")
 
     def storage(self, name: str) -> torch.Tensor:
-        """The tensor to receive ``name``'s elements into (a view of a parameter, or a staging buffer)."""
+        """The tensor to receive ``name``'s elements into (a view of a parameter, of a transient layer's
+        loaded form, or a staging buffer)."""
         view = self.views.get(name)
         if view is None:
             raise KeyError(f"rank {self.rank} holds no storage of tensor {name!r}")
+        layer = self.layer_of.get(name)
+        if layer is not None and self.transient is not None and view.param is not None:
+            tensors = self.opened.get(layer)
+            if tensors is None:
+                if layer in self.rebuilt:
+                    raise IncompleteUpdateError(
+                        f"rank {self.rank}: layer {layer!r} was already rebuilt in this update; tensor "
+                        f"{name!r} arrived after it"
+                    )
+                tensors = self.opened[layer] = self.transient.open(layer)
+                self.pending[layer] = set(self.layer_tensors[layer])
+            return storage_tensor(tensors[view.param], view, tensor=name, rank=self.rank)
         if view.param is None:
             buf = self.staging.get(name)
             if buf is None:
@@ -160,14 +230,46 @@ class UpdateSession:
         return storage_tensor(self.params[view.param], view, tensor=name, rank=self.rank)
 
     def mark_written(self, name: str) -> None:
+        """Every element of ``name`` on this rank was written; the last tensor of an open transient layer
+        rebuilds the layer."""
         if name not in self.views:
             raise KeyError(f"rank {self.rank} holds no storage of tensor {name!r}")
         self.written.add(name)
+        layer = self.layer_of.get(name)
+        pending = self.pending.get(layer) if layer is not None else None
+        if layer is None or pending is None or self.transient is None:
+            return
+        pending.discard(name)
+        if pending:
+            return
+        del self.pending[layer]
+        tensors = self.opened.pop(layer)
+        if self.on_loaded is not None:
+            self.on_loaded(layer, tensors)
+        self.transient.close(layer)
+        self.rebuilt.append(layer)
+
+    def abort(self) -> None:
+        """Drop open transient layers unrebuilt."""
+        self.pending.clear()
+        self.opened.clear()
+        if self.transient is not None:
+            self.transient.discard()
 
     def finish(self) -> list[str]:
         """Load the staging buffers through the full-tensor path, then rebuild the derived copies of every
-        written parameter; returns the names of the copies rebuilt. Raises ``IncompleteUpdateError`` when an
-        in-place derived copy would be rebuilt from a partly written parameter (before rebuilding any)."""
+        written parameter; returns the names of the copies and transient layers rebuilt. Raises
+        ``IncompleteUpdateError`` when a transient layer was written in part, or an in-place derived copy
+        would be rebuilt from a partly written parameter (before rebuilding any)."""
+        if self.pending:
+            partial = {layer: sorted(names) for layer, names in self.pending.items()}
+            self.abort()
+            first = next(iter(partial))
+            raise IncompleteUpdateError(
+                f"rank {self.rank}: {len(partial)} layer(s) kept in another form were written in part and "
+                f"cannot be rebuilt (first: {first!r}, missing tensors {partial[first][:3]}); they keep "
+                "their old weights, the others are new: the weights of this rank are now inconsistent"
+            )
         touched = {self.views[n].param for n in self.written if self.views[n].param is not None}
         due = [d for d in self.derived if d.params & touched]
         for d in due:
@@ -188,4 +290,4 @@ class UpdateSession:
         self.staging.clear()
         for d in due:
             d.refresh()
-        return [d.name for d in due]
+        return [d.name for d in due] + [f"loaded form of {layer}" for layer in self.rebuilt]

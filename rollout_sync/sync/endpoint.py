@@ -22,6 +22,7 @@ from ..handshake import Peer
 from ..planning.plan import PlanHalf
 from ..planning.wire import decode_half
 from ..transport import ExecuteOptions, Executor, SyncStats
+from ..transport.executor import TargetStream
 from ..transport.groups import connect_store, new_group
 from .commit import commit
 from .roster import RosterEntry, blame, decode_roster, this_process
@@ -172,6 +173,7 @@ class Endpoint:
         targets: Mapping[str, torch.Tensor],
         version: int = -1,
         refusal: str | None = None,
+        stream: TargetStream | None = None,
     ) -> SyncResult:
         """Execute this rank's half, then commit. Returns the version the trainer ranks sent; raises on every
         rank if any rank failed (a rank whose agreement refused the plan raises the same error everywhere).
@@ -179,7 +181,8 @@ class Endpoint:
         its group cannot be trusted after it (and gloo's connection loop to a dead peer was seen spinning a
         core in a vLLM worker, starving the engine sharing that core); join again through a new handshake.
         ``refusal``: why this rank must not send (its storage views are stale); every rank then raises a
-        ``PlanMismatchError`` naming it, at the agreement, before any byte moves."""
+        ``PlanMismatchError`` naming it, at the agreement, before any byte moves. ``stream``: makes the
+        targets given as meta tensors while they are written (``transport.executor``)."""
         if self.closed:
             raise PeerFailedError(
                 f"rank {self.rank}: this endpoint left its sync group (a failed sync or a detach closed it); "
@@ -187,7 +190,7 @@ class Endpoint:
             )
         start = time.perf_counter()
         try:
-            stats = self.executor.execute(self.half, sources, targets, refusal)
+            stats = self.executor.execute(self.half, sources, targets, refusal, stream)
         except PlanMismatchError:
             raise  # raised on every rank by the agreement: no commit follows
         except (RolloutSyncError, RuntimeError) as exc:

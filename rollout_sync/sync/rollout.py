@@ -20,6 +20,7 @@ from ..handshake import ROLLOUT
 from ..layout.maps import TensorMap
 from ..planning.wire import encode_maps
 from ..transport import DEFAULT_STAGING_CAP_BYTES, ExecuteOptions
+from ..transport.executor import TargetStream
 from .endpoint import Endpoint, SyncResult, resolve_token
 
 
@@ -78,11 +79,12 @@ class RolloutLink:
     def rank(self) -> int:
         return self.endpoint.rank
 
-    def receive(self, targets: Mapping[str, torch.Tensor]) -> SyncResult:
-        """Receive this worker's half into ``targets`` (storage views by logical name) and commit."""
+    def receive(self, targets: Mapping[str, torch.Tensor], stream: TargetStream | None = None) -> SyncResult:
+        """Receive this worker's half into ``targets`` (storage views by logical name; meta tensors for
+        those ``stream`` makes while they are written) and commit."""
         self.incomplete = True
         try:
-            result = self.endpoint.run({}, targets)
+            result = self.endpoint.run({}, targets, stream=stream)
         except BaseException as exc:
             self.last_error = f"{type(exc).__name__}: {exc}"
             raise

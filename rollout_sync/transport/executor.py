@@ -21,6 +21,12 @@ After a transport failure (``PeerFailedError`` / ``SyncTimeoutError``) the group
 failed peer may be closed (gloo closes a pair on a timeout): build a new group before the next sync. A
 ``PlanMismatchError`` leaves the group usable: nothing was posted.
 
+**Streamed targets**: a target given as a meta tensor (its shape and dtype only) exists only while it is
+written, through a ``TargetStream``: ``open(name)`` makes it at its first received byte, ``close(name)``
+follows its last. Its direct messages are posted in plan order with at most ``staging_cap_bytes`` of them
+in flight (each pair's messages keep their order), so targets stream through memory instead of all
+existing at once (a layer's loaded form that vLLM rebuilds into a kernel's form, on the rollout side).
+
 Staging (pack and unpack slots) lives in one arena per executor, allocated once and reused; its size is at
 most ``staging_cap_bytes``.
 """
@@ -28,9 +34,10 @@ most ``staging_cap_bytes``.
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -56,7 +63,19 @@ from .schedule import (
 from .staging import StagingArena
 from .stats import ExecuteOptions, SyncStats
 
-__all__ = ["Executor", "execute"]
+__all__ = ["Executor", "TargetStream", "execute"]
+
+
+class TargetStream(Protocol):
+    """Targets that exist only while they are written (given to ``execute`` as meta tensors)."""
+
+    def open(self, name: str) -> torch.Tensor:
+        """The storage of target ``name``, made now (at its first received byte)."""
+        ...
+
+    def close(self, name: str) -> None:
+        """Every element of ``name`` this rank receives has landed."""
+        ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,7 +189,11 @@ class Executor:
 
     # -- 1. check -------------------------------------------------------------------------------------
     def _check(
-        self, half: PlanHalf, sources: Mapping[str, torch.Tensor], targets: Mapping[str, torch.Tensor]
+        self,
+        half: PlanHalf,
+        sources: Mapping[str, torch.Tensor],
+        targets: Mapping[str, torch.Tensor],
+        stream: TargetStream | None = None,
     ) -> tuple[str | None, torch.device | None, int]:
         if not isinstance(half, PlanHalf):
             return f"rank {self.rank} was given a {type(half).__name__}, not a PlanHalf", None, 0
@@ -181,6 +204,14 @@ class Executor:
             if reason is not None:
                 return f"rank {self.rank}: {reason}", None, 0
             self._checked = half
+        if stream is None:
+            meta = sorted(n for n, t in targets.items() if isinstance(t, torch.Tensor) and t.is_meta)
+            if meta:
+                return (
+                    f"rank {self.rank}: target {meta[0]!r} is a placeholder and no stream makes it",
+                    None,
+                    0,
+                )
         try:
             reason, device = check_storages(half, sources, targets)
         except Exception as e:  # a storage mapping that misbehaves must still not strand the other ranks
@@ -262,14 +293,16 @@ class Executor:
         sources: Mapping[str, torch.Tensor],
         targets: Mapping[str, torch.Tensor],
         refusal: str | None = None,
+        stream: TargetStream | None = None,
     ) -> SyncStats:
         """Run this rank's half. Returns when every byte this rank sends has left and every byte it receives
         has landed in its target storage (cast to the target dtype). ``refusal``: a reason, found by the
         caller, why this rank must not take part; it becomes this rank's refusal in the agreement, so every
-        rank raises the same ``PlanMismatchError`` before any byte moves."""
+        rank raises the same ``PlanMismatchError`` before any byte moves. ``stream`` makes the targets given
+        as meta tensors (see the module docstring)."""
         clock = _Clock()
         t0 = t = time.perf_counter()
-        reason, device, wanted = self._check(half, sources, targets)
+        reason, device, wanted = self._check(half, sources, targets, stream)
         if refusal is not None and reason is None:
             reason = f"rank {self.rank}: {refusal}"
         if device is None:
@@ -282,7 +315,8 @@ class Executor:
         arena = self.arena.reserve(schedule.staging_bytes, device, self.options.staging_cap_bytes)
         t = clock.add("schedule", t)
         with torch.no_grad():
-            self._transfer(half, program, arena, sources, targets, device, clock)
+            streamed = _Targets(targets, stream, half, program)
+            self._transfer(half, program, arena, sources, streamed, device, clock)
         clock.seconds["total"] = time.perf_counter() - t0
         return SyncStats(
             rank=self.rank,
@@ -308,7 +342,7 @@ class Executor:
         program: _Program,
         arena: torch.Tensor,
         sources: Mapping[str, torch.Tensor],
-        targets: Mapping[str, torch.Tensor],
+        targets: _Targets,
         device: torch.device,
         clock: _Clock,
     ) -> None:
@@ -328,19 +362,22 @@ class Executor:
             (c,) = parts[0].copies  # a direct part is dense: one flat copy
             return _view(storage, c)
 
-        def post_direct() -> list[Pending]:
-            """Every direct message, at once: they hold no staging."""
+        def recv(m: Message, parts: tuple[_PartProgram, ...]) -> Op:
+            return Op(
+                "recv",
+                direct_view(targets.get(parts[0].name), parts),
+                m.peer,
+                m.tag,
+                f"direct message {m.round}",
+            )
+
+        def post_direct() -> tuple[list[Pending], deque[tuple[Pending, str, int]]]:
+            """Every direct message, at once: they hold no staging. Receives into streamed targets go in
+            plan order with at most ``staging_cap_bytes`` in flight (waited here as the window moves)."""
             t = time.perf_counter()
-            ops = [
-                Op(
-                    "recv",
-                    direct_view(targets[parts[0].name], parts),
-                    m.peer,
-                    m.tag,
-                    f"direct message {m.round}",
-                )
-                for m, parts in program.direct_receives
-            ]
+            window: deque[tuple[Pending, str, int]] = deque()
+            receives = program.direct_receives
+            ops = [] if targets.streamed else [recv(m, parts) for m, parts in receives]
             ops += [
                 Op(
                     "send",
@@ -352,8 +389,26 @@ class Executor:
                 for m, parts in program.direct_sends
             ]
             posted = transport.post(ops)
+            if targets.streamed:
+                cap = self.options.staging_cap_bytes
+                in_flight = 0
+                # by tensor, then peer: each pair's messages keep their order (NCCL matches by order)
+                for m, parts in sorted(
+                    receives, key=lambda e: (e[0].parts[0].segment.tensor, e[0].peer, e[0].round)
+                ):
+                    name = parts[0].name
+                    if name not in targets.streamed:
+                        posted += transport.post([recv(m, parts)])
+                        continue
+                    while window and in_flight + m.nbytes > cap:
+                        pending, landed, nbytes = window.popleft()
+                        transport.wait([pending])
+                        in_flight -= nbytes
+                        targets.landed(landed)
+                    window.append((transport.post([recv(m, parts)])[0], name, m.nbytes))
+                    in_flight += m.nbytes
             clock.add("post", t)
-            return posted
+            return posted, window
 
         def post(r: int) -> None:
             """Round ``r`` of packed messages: post its receives, pack and post its sends."""
@@ -389,16 +444,17 @@ class Executor:
         # same order (round 0, direct, round 1, ...), which NCCL needs.
         if rounds:
             post(0)
-        direct = post_direct()
+        direct, window = post_direct()
         for r in range(1, min(depth, rounds)):
             post(r)
         t = time.perf_counter()
         for s in schedule.local:
             tensor = half.tensors[s.tensor]
-            src, dst = sources[tensor.name], targets[tensor.name]
+            src, dst = sources[tensor.name], targets.get(tensor.name)
             torch.as_strided(dst, s.extent, s.target_strides, dst.storage_offset() + s.target_offset).copy_(
                 torch.as_strided(src, s.extent, s.source_strides, src.storage_offset() + s.source_offset)
             )
+            targets.landed(tensor.name)
         clock.add("local", t)
         for r in range(rounds):
             t = time.perf_counter()
@@ -413,6 +469,10 @@ class Executor:
                 post(r + depth)
         t = time.perf_counter()
         transport.wait(direct)
+        while window:
+            pending, landed, _ = window.popleft()
+            transport.wait([pending])
+            targets.landed(landed)
         for r in sorted(pending_send):
             transport.wait(pending_send.pop(r))
         clock.add("wait", t)
@@ -429,15 +489,71 @@ def _pack(buf: torch.Tensor, parts: tuple[_PartProgram, ...], sources: Mapping[s
             typed[c.buffer_offset : c.buffer_offset + n].view(c.extent).copy_(_view(storage, c))
 
 
-def _unpack(buf: torch.Tensor, parts: tuple[_PartProgram, ...], targets: Mapping[str, torch.Tensor]) -> None:
+def _unpack(buf: torch.Tensor, parts: tuple[_PartProgram, ...], targets: _Targets) -> None:
     for p in parts:
-        storage = targets[p.name]
+        storage = targets.get(p.name)
         typed = buf[p.byte_offset : p.byte_offset + p.count * p.wire_size].view(p.wire)
         for c in p.copies:
             n = 1
             for e in c.extent:
                 n *= e
             _view(storage, c).copy_(typed[c.buffer_offset : c.buffer_offset + n].view(c.extent))
+        targets.landed(p.name)
+
+
+class _Targets:
+    """This rank's target storages during one transfer: the given tensors, and the streamed ones (given as
+    meta tensors) made by the stream at their first part and closed after their last."""
+
+    def __init__(
+        self,
+        given: Mapping[str, torch.Tensor],
+        stream: TargetStream | None,
+        half: PlanHalf,
+        program: _Program,
+    ) -> None:
+        self.given = given
+        self.stream = stream
+        self.streamed: frozenset[str] = frozenset()
+        self.remaining: dict[str, int] = {}
+        self.made: dict[str, torch.Tensor] = {}
+        if stream is None:
+            return
+        self.streamed = frozenset(n for n, t in given.items() if t.is_meta)
+        names = [parts[0].name for _, parts in program.direct_receives]
+        names += [p.name for entries in program.receives.values() for _, parts in entries for p in parts]
+        names += [half.tensors[s.tensor].name for s in program.schedule.local]
+        for name in names:
+            if name in self.streamed:
+                self.remaining[name] = self.remaining.get(name, 0) + 1
+
+    def get(self, name: str) -> torch.Tensor:
+        made = self.made.get(name)
+        if made is not None:
+            return made
+        if name not in self.streamed or self.stream is None:
+            return self.given[name]
+        placeholder = self.given[name]
+        storage = self.stream.open(name)
+        if storage.shape != placeholder.shape or storage.dtype != placeholder.dtype:
+            raise ValueError(
+                f"the stream made target {name!r} as {tuple(storage.shape)} {storage.dtype}, expected "
+                f"{tuple(placeholder.shape)} {placeholder.dtype}"
+            )
+        self.made[name] = storage
+        return storage
+
+    def landed(self, name: str) -> None:
+        """One part of ``name`` landed; after its last, the stream closes it."""
+        left = self.remaining.get(name)
+        if left is None or self.stream is None:
+            return
+        if left > 1:
+            self.remaining[name] = left - 1
+            return
+        del self.remaining[name]
+        self.made.pop(name, None)
+        self.stream.close(name)
 
 
 def execute(

@@ -1,5 +1,6 @@
 """Local checks before the agreement: does this rank hold every storage its half needs, with the plan's
-shape and dtype, contiguous, on one device, and do no target and source storages share memory? Returns the
+shape and dtype, contiguous, on one device, and do no target and source storages share memory? A target
+given as a meta tensor (streamed: made while it is written) is checked for shape and dtype only. Returns the
 reason for a refusal (a string every rank will see) rather than raising, so that a rank that cannot run
 still joins the agreement and every rank stops together."""
 
@@ -55,6 +56,8 @@ def check_storages(
                 ), None
             if not storage.is_contiguous():
                 return f"{side} storage of tensor {t.name!r} on rank {rank} is not contiguous", None
+            if storage.is_meta:  # a streamed target: made during the transfer (checked then)
+                continue
             devices.setdefault(storage.device, t.name)
             if storage.numel():
                 start = storage.data_ptr()

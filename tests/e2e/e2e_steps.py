@@ -3,6 +3,7 @@ the handshake, synced after every optimizer step, and checked against the traine
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -56,13 +57,17 @@ def run_sync_steps(
     trainers: int = 2,
     policy: str = "balanced",
     timeout: float = 90.0,
+    prepare: Callable[[Any], None] | None = None,
 ) -> E2ERun:
     """Train ``steps`` steps; after each, the hook syncs into ``engine`` (driven here, as a driver would);
     then the trainer's checkpoint is saved and written into the engine through vLLM's own loader maps: a
-    sync that landed every element leaves every parameter unchanged by that write."""
+    sync that landed every element leaves every parameter unchanged by that write. ``prepare(engine)``
+    runs after the engine's setup, before it joins."""
     with RankPool(trainers, env=TRAINER_ENV, timeout=600) as pool:
         pool.call(setup, spec, str(model))
         setup_engines([engine], first_rank=trainers)
+        if prepare is not None:
+            prepare(engine)
         address = f"tcp://127.0.0.1:{free_port()}"
         pending = pool.submit(attach, address, TOKEN, 1, 1, policy, timeout)
         engine.collective_rpc(

@@ -51,6 +51,9 @@ CPU_ENGINE_DEFAULTS: Mapping[str, Any] = {
     "seed": 0,
 }
 
+#: Engine arguments under which ``VllmEngine.logits`` returns every token's raw logit.
+LOGITS_KWARGS: Mapping[str, Any] = {"max_logprobs": -1, "logprobs_mode": "raw_logits"}
+
 #: Two prompts of token ids inside the tiny vocabulary, used when a test does not care which.
 DEFAULT_PROMPTS: tuple[tuple[int, ...], ...] = ((5, 6, 7, 8, 9), (100, 200, 300))
 
@@ -224,6 +227,21 @@ class VllmEngine:
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
         outputs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False)
         return [list(out.outputs[0].token_ids) for out in outputs]
+
+    def logits(
+        self, prompts: Sequence[Sequence[int]] = DEFAULT_PROMPTS, max_tokens: int = 4
+    ) -> list[list[list[float]]]:
+        """Per prompt, per generated position (greedy), the value vLLM reports for every token of the
+        vocabulary, in token order: the raw logits on an engine started with ``LOGITS_KWARGS``."""
+        from vllm import SamplingParams
+
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=-1)
+        outputs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False)
+        out = []
+        for o in outputs:
+            positions = o.outputs[0].logprobs or []
+            out.append([[v.logprob for _, v in sorted(pos.items())] for pos in positions])
+        return out
 
     def collective_rpc(
         self,

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -22,12 +22,16 @@ from vllm_plugin.driver import apply_checkpoint, setup_engines
 class Snapshot:
     tokens: list[list[int]]
     digests: list[dict[str, str]]  # per worker: parameter name -> sha256
+    # per worker: loaded form of each parameter of a layer kept in another form -> sha256, as the last
+    # update wrote it (empty unless the engine records them: ``rollout_sync_record_loaded``)
+    loaded: list[dict[str, str]] = field(default_factory=list)
 
 
 def snapshot(engine: VllmEngine) -> Snapshot:
     return Snapshot(
         engine.generate_greedy(DEFAULT_PROMPTS, max_tokens=12),
         [dict(d) for d in engine.collective_rpc("rollout_sync_param_digests")],
+        [dict(d) for d in engine.collective_rpc("rollout_sync_loaded_digests")],
     )
 
 

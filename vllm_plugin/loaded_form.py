@@ -1,0 +1,235 @@
+"""Layers whose stored form is not their loaded form, and how a sync rebuilds them through vLLM's reload
+machinery (``vllm/model_executor/model_loader/reload/``).
+
+Some kernels keep a layer's weights in another form than the loader wrote: vLLM on AVX-512/AMX CPUs packs
+every dense linear weight into a oneDNN or sgl handle and leaves an empty ``weight``; on GPUs, online FP8
+quantization, Marlin and other repacks do the same kind of thing in ``process_weights_after_loading``.
+vLLM records every module's *loaded form* (parameters as ``create_weights`` made them, on the meta device,
+with their weight loaders) when the model is built (``record_metadata_for_reloading``). A layer is
+**transformed** when its parameters now differ from that record (a name, shape or dtype).
+
+For such a layer the target maps describe the loaded form: setup restores it on the meta device and the
+loader probe runs against it (``probing``); at a sync the layer is materialized (``open``: empty loaded-form
+tensors, elements no logical tensor fills zeroed, as vLLM's loaders leave padding), the executor writes
+into it, and as soon as every tensor of the layer has landed ``close`` runs vLLM's per-layer post-load step:
+the layer's ``quant_method.process_weights_after_loading`` rebuilds the kernel's form, the result is copied
+into the kernel's original tensors (so CUDA graphs keep their addresses) and the loaded form is freed.
+Nothing here depends on the platform: the same steps serve a CPU-packed linear and an FP8 layer on a GPU.
+
+vLLM's public entry points (``initialize_layerwise_reload`` / ``finalize_layerwise_reload``) are not used
+as such: they restore *every* module of the model to the meta device at once (so the storage of layers we
+write in place would be detached from the model during the update) and buffer the full tensors handed to
+``load_weights`` until a layer's element count is reached. A sync writes boxes straight into storage and
+never calls a loader, so this module calls the per-layer steps those functions are made of
+(``restore_layer_on_meta``, ``materialize_layer``, ``_layerwise_process``, ``_place_kernel_tensors``) on
+the transformed layers only.
+
+A layer that cannot be rebuilt is refused at setup, naming it and the reason: no recorded loaded form, no
+``quant_method`` to run, or a loaded-form parameter no logical tensor fills (its processing would read
+elements the plan never delivers).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from rollout_sync.errors import UnsupportedLayoutError
+from rollout_sync.rollout.apply import covered_ranges, uncovered_ranges
+from rollout_sync.rollout.probe import StorageView
+
+__all__ = ["LoadedForms", "transformed_layers"]
+
+
+def _reload() -> Any:
+    from vllm.model_executor.model_loader.reload import layerwise
+
+    return layerwise
+
+
+def _differs(layer: torch.nn.Module, recorded: Mapping[str, torch.Tensor]) -> str | None:
+    """Why ``layer``'s parameters are not its recorded loaded form, or None when they are."""
+    current = {n: p for n, p in layer._parameters.items() if p is not None}
+    for name, meta in recorded.items():
+        now = current.get(name)
+        if now is None:
+            return f"parameter {name!r} is gone"
+        if tuple(now.shape) != tuple(meta.shape) or now.dtype != meta.dtype:
+            return (
+                f"parameter {name!r} is {tuple(now.shape)} {now.dtype}, loaded form "
+                f"{tuple(meta.shape)} {meta.dtype}"
+            )
+    return None
+
+
+def transformed_layers(model: torch.nn.Module) -> dict[str, str]:
+    """Module name -> why its stored form differs from its recorded loaded form."""
+    layerwise = _reload()
+    out: dict[str, str] = {}
+    for name, layer in model.named_modules():
+        info = layerwise.LAYERWISE_INFO.get(layer)
+        if info is None:
+            continue
+        why = _differs(layer, info.restore_metadata[0])
+        if why is not None:
+            out[name] = why
+    return out
+
+
+@dataclass
+class _Layer:
+    name: str
+    module: torch.nn.Module
+    params: tuple[str, ...]  # full names of its loaded-form parameters
+
+
+class LoadedForms:
+    """The transformed layers of one worker's model and their rebuild, one layer at a time."""
+
+    def __init__(self, model: torch.nn.Module, layers: Mapping[str, str]) -> None:
+        layerwise = _reload()
+        self.model = model
+        self.reasons = dict(layers)
+        self.layers: dict[str, _Layer] = {}
+        modules = dict(model.named_modules())
+        for name in layers:
+            module = modules[name]
+            recorded = layerwise.LAYERWISE_INFO[module].restore_metadata[0]
+            prefix = f"{name}." if name else ""
+            self.layers[name] = _Layer(name, module, tuple(prefix + p for p in recorded))
+        self.by_param = {p: layer.name for layer in self.layers.values() for p in layer.params}
+        self.zero: dict[str, list[tuple[int, int]]] = {}
+        self.open_layers: dict[str, dict[str, torch.Tensor]] = {}
+
+    @classmethod
+    def find(cls, model: torch.nn.Module) -> LoadedForms:
+        return cls(model, transformed_layers(model))
+
+    def __bool__(self) -> bool:
+        return bool(self.layers)
+
+    def layer_of(self, param: str | None) -> str | None:
+        return None if param is None else self.by_param.get(param)
+
+    def loaded_bytes(self, layer: str) -> int:
+        layerwise = _reload()
+        recorded = layerwise.LAYERWISE_INFO[self.layers[layer].module].restore_metadata[0]
+        return sum(t.numel() * t.element_size() for t in recorded.values())
+
+    # ---------------------------------------------------------------------------------------- setup
+
+    def _to_loaded_form(self, layer: _Layer) -> None:
+        layerwise = _reload()
+        info = layerwise.get_layerwise_info(layer.module)
+        info.kernel_tensors = layerwise.get_layer_params_buffers(layer.module)
+        info.kernel_non_persistent_buffers = set(layer.module._non_persistent_buffers_set)
+        layerwise.restore_layer_on_meta(layer.module, info)
+
+    def _to_kernel_form(self, layer: _Layer) -> None:
+        layerwise = _reload()
+        info = layerwise.get_layerwise_info(layer.module)
+        if info.kernel_tensors is not None:
+            layerwise._place_kernel_tensors(layer.module, info)
+        info.reset()
+
+    @contextlib.contextmanager
+    def probing(self) -> Iterator[None]:
+        """Every transformed layer in its loaded form on the meta device (no memory), with its loaders,
+        for the loader probe; the kernel's tensors are back afterwards, whatever happens."""
+        done: list[_Layer] = []
+        try:
+            for layer in self.layers.values():
+                self._to_loaded_form(layer)
+                done.append(layer)
+            yield
+        finally:
+            for layer in done:
+                self._to_kernel_form(layer)
+
+    def bind(self, views: Mapping[str, StorageView]) -> None:
+        """Check every transformed layer the views write into can be rebuilt from what the plan delivers,
+        and keep the ranges no view covers (zeroed at each sync). Layers no view writes are dropped: a
+        sync never touches them."""
+        layerwise = _reload()
+        written = {self.by_param[v.param] for v in views.values() if v.param in self.by_param}
+        for name in list(self.layers):
+            if name not in written:
+                del self.layers[name]
+        self.by_param = {p: layer.name for layer in self.layers.values() for p in layer.params}
+        all_views = list(views.values())
+        for layer in self.layers.values():
+            quant_method = getattr(layer.module, "quant_method", None)
+            if quant_method is None:
+                raise UnsupportedLayoutError(
+                    "a layer kept in another form than its loaded form has no quant_method whose "
+                    "process_weights_after_loading could rebuild it",
+                    tensor=layer.name,
+                    expected="a layer with a quant_method",
+                    found=self.reasons.get(layer.name),
+                )
+            recorded = layerwise.LAYERWISE_INFO[layer.module].restore_metadata[0]
+            for pname, meta in zip(layer.params, recorded.values(), strict=True):
+                covered = covered_ranges(all_views, pname)
+                if not covered:
+                    raise UnsupportedLayoutError(
+                        "no logical tensor fills this loaded-form parameter of a layer that is rebuilt "
+                        "after each sync, so its processing would read elements the plan never delivers",
+                        tensor=layer.name,
+                        expected=f"a logical tensor landing in {pname!r}",
+                        found="none",
+                    )
+                self.zero[pname] = uncovered_ranges(meta.numel(), covered)
+
+    # ----------------------------------------------------------------------------------------- sync
+
+    def open(self, name: str) -> Mapping[str, torch.Tensor]:
+        """Materialize layer ``name``'s loaded form (uncovered elements zeroed): full parameter name ->
+        tensor to write into."""
+        opened = self.open_layers.get(name)
+        if opened is not None:
+            return opened
+        layerwise = _reload()
+        layer = self.layers[name]
+        self._to_loaded_form(layer)
+        info = layerwise.get_layerwise_info(layer.module)
+        try:
+            layerwise.materialize_layer(layer.module, info)
+        except BaseException:
+            self._to_kernel_form(layer)
+            raise
+        prefix = f"{name}." if name else ""
+        tensors = {p: getattr(layer.module, p.removeprefix(prefix)) for p in layer.params}
+        with torch.no_grad():
+            for pname, t in tensors.items():
+                flat = t.data.view(-1)
+                for start, stop in self.zero.get(pname, ()):
+                    flat[start:stop].zero_()
+        opened = {p: t.data for p, t in tensors.items()}
+        self.open_layers[name] = opened
+        return opened
+
+    def close(self, name: str) -> None:
+        """Every element of layer ``name`` has landed: run vLLM's post-load processing of the layer, copy
+        the result into the kernel's tensors, free the loaded form."""
+        layerwise = _reload()
+        layer = self.layers[name]
+        self.open_layers.pop(name)
+        info = layerwise.get_layerwise_info(layer.module)
+        try:
+            with torch.no_grad():
+                layerwise._layerwise_process(layer.module, info)
+        except BaseException:
+            self._to_kernel_form(layer)
+            raise
+
+    def discard(self) -> list[str]:
+        """Put the kernel's tensors back on every open layer, unprocessed (their old weights stay)."""
+        names = list(self.open_layers)
+        for name in names:
+            self.open_layers.pop(name)
+            self._to_kernel_form(self.layers[name])
+        return names
