@@ -126,3 +126,76 @@ def test_a_tensor_this_rank_does_not_hold_is_refused_by_name():
     session, _ = _session([])
     with pytest.raises(KeyError, match=r"rank 7 holds no storage of tensor 'lm_head\.weight'"):
         session.storage("lm_head.weight")
+
+
+class _Layers:
+    """Transient layers for the session: ``qkv`` (q and k land in it) is made at open, its content kept at
+    close (standing for the engine's rebuild)."""
+
+    def __init__(self) -> None:
+        self.events: list[str] = []
+        self.rebuilt: dict[str, torch.Tensor] = {}
+
+    def layer_of(self, param: str | None) -> str | None:
+        return "attn.qkv" if param == "qkv" else None
+
+    def open(self, layer: str):
+        self.events.append(f"open {layer}")
+        return {"qkv": torch.full((4, 4), -1.0)}
+
+    def close(self, layer: str) -> None:
+        self.events.append(f"close {layer}")
+
+    def discard(self) -> list[str]:
+        self.events.append("discard")
+        return []
+
+
+def _transient_session(layers: _Layers, seen: list):
+    views = {
+        "q": StorageView("qkv", 0, (2, 4)),
+        "k": StorageView("qkv", 8, (2, 4)),
+        "norm": StorageView("n", 0, (3,)),
+    }
+    params = {"n": torch.zeros(3)}
+    session = UpdateSession(
+        3,
+        views,
+        dict.fromkeys(views, "float32"),
+        params,
+        [],
+        lambda staged: None,
+        layers,
+        lambda layer, tensors: seen.append((layer, tensors["qkv"].clone())),
+    )
+    return session, params
+
+
+def test_a_transient_layer_is_made_at_its_first_tensor_and_rebuilt_after_its_last():
+    layers, seen = _Layers(), []
+    session, params = _transient_session(layers, seen)
+    assert session.streamed("q") and session.streamed("k") and not session.streamed("norm")
+    placeholder = session.placeholder("q")
+    assert placeholder.is_meta and placeholder.shape == (2, 4) and placeholder.dtype == torch.float32
+    session.storage("q").fill_(1)
+    session.mark_written("q")
+    assert layers.events == ["open attn.qkv"]  # k has not arrived: the layer stays open
+    session.storage("k").fill_(2)
+    session.storage("norm").fill_(5)
+    session.mark_written("norm")
+    session.mark_written("k")
+    assert layers.events == ["open attn.qkv", "close attn.qkv"]
+    ((layer, loaded),) = seen
+    assert layer == "attn.qkv" and loaded[:2].eq(1).all() and loaded[2:].eq(2).all()
+    assert session.finish() == ["loaded form of attn.qkv"]
+    assert params["n"].eq(5).all()
+
+
+def test_a_transient_layer_written_in_part_is_dropped_and_the_update_refused():
+    layers, seen = _Layers(), []
+    session, _ = _transient_session(layers, seen)
+    session.storage("q").fill_(1)
+    session.mark_written("q")
+    with pytest.raises(IncompleteUpdateError, match=r"attn\.qkv.*\['k'\]"):
+        session.finish()
+    assert layers.events == ["open attn.qkv", "discard"] and seen == []
