@@ -2,6 +2,9 @@
 ``sync`` benchmark: one gloo group spans trainer rank 0 (group rank 0) and every vLLM worker; for each
 parameter in turn, trainer rank 0 broadcasts the full tensor and each worker receives it into a fresh buffer
 and hands it to ``model.load_weights``. At the end the derived copies are rebuilt the way our receive does.
+On an engine with layers kept in another form (packed linear weights), ``load_weights`` alone cannot write
+them: the baseline does what an RL framework must do there, vLLM's ``initialize_layerwise_reload`` before
+the loads and ``finalize_layerwise_reload`` after them.
 
 ``BenchExtension`` is ``RolloutSyncExtension`` plus the baseline's two methods and a receive of ours wrapped
 in the same peak-memory measurement (``rollout_sync.testing.peak_memory``), so that both methods are measured
@@ -56,9 +59,14 @@ class BenchExtension(RolloutSyncExtension):
             raise IncompleteUpdateError("rollout_sync_baseline_connect has not run on this worker")
         worker = self.rollout_sync_get()
         model = self.model_runner.model  # type: ignore[attr-defined]
+        reload = worker.loaded_forms is not None
         memory = PeakMemory().start()
         start = time.perf_counter()
         received = 0
+        if reload:
+            from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+            initialize_layerwise_reload(model)
         for name, shape, dtype in tensors:
             if dtype not in _DTYPES:
                 raise ValueError(f"{name}: dtype {dtype!r} is not one of {_DTYPES}")
@@ -70,6 +78,10 @@ class BenchExtension(RolloutSyncExtension):
                 model.load_weights([(name, buf)])
             received += buf.numel() * buf.element_size()
             del buf
+        if reload:
+            from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+            finalize_layerwise_reload(model, self.vllm_config.model_config)  # type: ignore[attr-defined]
         refreshed = []
         for copy in worker.derived:
             copy.refresh()
@@ -83,6 +95,17 @@ class BenchExtension(RolloutSyncExtension):
             "memory_method": memory.method,
             "refreshed": refreshed,
         }
+
+    def rollout_sync_bench_pack(self, stand_in: bool) -> dict[str, int]:
+        """How many dense linear layers vLLM packed (empty weight); with ``stand_in``, pack the others with
+        ``rollout_sync.testing.packing`` (on CPUs where vLLM keeps plain weights)."""
+        from rollout_sync.testing.packing import dense_linears, pack_linears
+
+        model = self.model_runner.model  # type: ignore[attr-defined]
+        linears = dense_linears(model)
+        by_vllm = sum(1 for _, m in linears if int(m.weight.numel()) == 0)
+        stood_in = pack_linears(model) if stand_in else 0
+        return {"linears": len(linears), "packed_by_vllm": by_vllm, "packed_by_stand_in": stood_in}
 
     def rollout_sync_bench_receive(self) -> dict[str, Any]:
         """``rollout_sync_receive`` (ours: receive the half, refresh derived copies) with peak extra RSS."""

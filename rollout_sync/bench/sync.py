@@ -1,11 +1,18 @@
 """Whole-sync benchmark with real engines: ours against today's practice, in one run, on the same weights.
 
-``python -m rollout_sync.bench sync [--json] [--workdir DIR] [--syncs 3] [--warmup 1] [--rows zero3,zero2]``
+``python -m rollout_sync.bench sync [--json] [--workdir DIR] [--syncs 3] [--warmup 1] [--rows zero3,zero2]
+[--stand-in-packing]``
 
 Model: Qwen3-0.6B's shapes with random bf16 weights (``rollout_sync.testing.shaped_models``). Trainer:
 DeepSpeed over 2 CPU ranks (``zero3``: ZeRO-3; ``zero2``: ZeRO-2, 2 replicas, balanced policy; SGD, never
 stepped). Rollout: one vLLM CPU engine at TP 2 with ``vllm_plugin.baseline.BenchExtension``. One row at a
 time: each row builds its trainer and its engine and tears both down before the next.
+
+Packed layers: where the CPU makes vLLM pack its dense linear weights (AVX-512/AMX: an empty weight, a
+kernel's packed copy), ours writes each layer's loaded form and vLLM rebuilds the packed form layer by layer;
+the baseline wraps its loads in vLLM's ``initialize_layerwise_reload`` / ``finalize_layerwise_reload``.
+``--stand-in-packing`` packs them with ``rollout_sync.testing.packing`` on a CPU where vLLM keeps plain
+weights, so the same paths run there (the row says which: ``packing``).
 
 Before every sync the trainer's weights are negated in place (bf16 and fp32 copies alike, exact), so each
 sync moves new values.
@@ -24,11 +31,15 @@ the kernel's RSS high-water mark (``VmHWM``, reset through ``/proc/self/clear_re
 before the sync, in every trainer rank and every vLLM worker; the row reports the largest per side, over the
 measured syncs. After each method's last sync the trainer's gathered weights are saved as a checkpoint and
 written into the engine through vLLM's loader maps (``apply_checkpoint``): if no worker's parameter digest
-changes, the engine held exactly the trainer's weights (``bitwise_equal``).
+changes, the engine held exactly the trainer's weights (``bitwise_equal``; for packed layers, whose weights
+are empty, the test suite compares their loaded forms). After the row, a fresh engine is started from the
+checkpoint saved after ours (packed the same way) and its raw logits for every vocabulary entry at two
+greedy positions of a fixed prompt are compared, by digest, with the synced engine's (``logits_equal``).
 
 Last line with ``--json``: ``{"rows": [{"trainer", "ours_s", "baseline_s", "ours_trainer_extra_bytes",
 "baseline_trainer_extra_bytes", "ours_rollout_extra_bytes", "baseline_rollout_extra_bytes",
-"ours_bytes_moved", "baseline_bytes_moved", "bitwise_equal", ...}]}``.
+"ours_bytes_moved", "baseline_bytes_moved", "bitwise_equal", "packed_layers", "logits_equal",
+"staging_cap_bytes", "largest_layer_loaded_bytes", ...}]}``.
 
 Measured (2026-11-30, 2 cores, load 3-6, 1 warm-up and 3 measured syncs per method): zero3 ours 0.533 s
 against 4.304 s (8.07x), trainer extra 12 KB against 622 MB, worker extra 8 KB against 311 MB, 1.19 GB moved
@@ -240,6 +251,7 @@ def _descendants() -> set[int]:
 
 
 def start_engine(model: Path) -> tuple[Any, set[int]]:
+    """A TP-2 vLLM CPU engine of ``model`` with the bench extension; it reports raw logits of every token."""
     env = {
         "PYTHONPATH": os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p),
         "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "0|1"),
@@ -258,6 +270,8 @@ def start_engine(model: Path) -> tuple[Any, set[int]]:
         kv_cache_memory_bytes=64 * 2**20,
         seed=0,
         worker_extension_cls=EXTENSION,
+        max_logprobs=-1,
+        logprobs_mode="raw_logits",
     )
     return llm, _descendants() - before
 
@@ -290,7 +304,27 @@ def _digests(llm: Any) -> list[dict[str, str]]:
     return [dict(d) for d in llm.collective_rpc("rollout_sync_param_digests")]
 
 
-def _check_bitwise(pool: Any, llm: Any, out: Path, model: Path) -> tuple[bool, bool]:
+def _logits(llm: Any) -> str:
+    """Digest of the raw logits of every vocabulary entry at two greedy positions of a fixed prompt."""
+    import hashlib
+    import struct
+
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True, logprobs=-1)
+    out = llm.generate([{"prompt_token_ids": [5, 6, 7, 8, 9]}], params, use_tqdm=False)[0].outputs[0]
+    h = hashlib.sha256(str(list(out.token_ids)).encode())
+    for position in out.logprobs or []:
+        for token, value in sorted(position.items()):
+            h.update(struct.pack("<qd", token, value.logprob))
+    return h.hexdigest()
+
+
+def _pack(llm: Any, stand_in: bool) -> dict[str, int]:
+    return dict(llm.collective_rpc("rollout_sync_bench_pack", args=(stand_in,))[0])
+
+
+def _check_bitwise(pool: Any, llm: Any, out: Path, model: Path, *, keep: bool = False) -> tuple[bool, bool]:
     """(engine held exactly the trainer's weights, the last sync changed the engine's weights)."""
     from vllm_plugin.driver import apply_checkpoint
 
@@ -298,7 +332,8 @@ def _check_bitwise(pool: Any, llm: Any, out: Path, model: Path) -> tuple[bool, b
     before = _digests(llm)
     apply_checkpoint([llm], str(out))
     after = _digests(llm)
-    shutil.rmtree(out, ignore_errors=True)
+    if not keep:
+        shutil.rmtree(out, ignore_errors=True)
     return before == after, True
 
 
@@ -335,6 +370,7 @@ def run_row(
     syncs: int,
     timeout: float,
     staging_cap_bytes: int,
+    stand_in: bool = False,
 ) -> dict[str, Any]:
     from vllm_plugin.driver import setup_engines
 
@@ -356,9 +392,12 @@ def run_row(
         llm, pids = start_engine(model)
         _log(f"{trainer}: vLLM TP-{TP} engine started in {time.perf_counter() - start:.1f} s")
         try:
+            packing = _pack(llm, stand_in)
+            _log(f"{trainer}: dense linear layers {packing}")
             start = time.perf_counter()
             setup_engines([llm], first_rank=TRAINERS)
             _log(f"{trainer}: engine probed in {time.perf_counter() - start:.1f} s")
+            summaries = llm.collective_rpc("rollout_sync_summary")
             start = time.perf_counter()
             pool.call(setup, spec, str(model))
             _log(f"{trainer}: DeepSpeed engine built in {time.perf_counter() - start:.1f} s")
@@ -385,7 +424,9 @@ def run_row(
                 return pending.result(timeout * 4), w
 
             ours, ours_changed = _measure(f"{trainer} ours", ours_once, warmup, syncs, llm, pool)
-            ours_equal, _ = _check_bitwise(pool, llm, workdir / f"check-{trainer}-ours", model)
+            ours_logits = _logits(llm)
+            checkpoint = workdir / f"check-{trainer}-ours"
+            ours_equal, _ = _check_bitwise(pool, llm, checkpoint, model, keep=True)
             _log(f"{trainer} ours: bitwise equal {ours_equal}")
 
             port = free_port()
@@ -407,6 +448,17 @@ def run_row(
             leftover = stop_engine(llm, pids)
             if leftover:
                 _log(f"{trainer}: killed engine processes that outlived shutdown: {leftover}")
+    start = time.perf_counter()
+    fresh, pids = start_engine(checkpoint)
+    try:
+        _pack(fresh, stand_in)
+        fresh_logits = _logits(fresh)
+    finally:
+        stop_engine(fresh, pids)
+        shutil.rmtree(checkpoint, ignore_errors=True)
+    _log(
+        f"{trainer}: fresh engine from the trainer's checkpoint: logits in {time.perf_counter() - start:.1f} s"
+    )
     row = assemble_row(
         trainer,
         ours,
@@ -416,6 +468,12 @@ def run_row(
         staging_cap_bytes=staging_cap_bytes,
     )
     row["handshake_s"] = round(handshake_s, 3)
+    row["packed_layers"] = int(summaries[0]["loaded_form_layers"])
+    row["largest_layer_loaded_bytes"] = max(int(s["largest_layer_loaded_bytes"]) for s in summaries)
+    row["packing"] = (
+        "vllm" if packing["packed_by_vllm"] else "stand-in" if packing["packed_by_stand_in"] else "none"
+    )
+    row["logits_equal"] = ours_logits == fresh_logits
     row["last_sync_changed_weights"] = {"ours": ours_changed, "baseline": base_changed}
     return row
 
@@ -431,6 +489,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rows", default=",".join(ROWS), help="comma-separated: zero3, zero2")
     parser.add_argument("--timeout", type=float, default=300.0)
     parser.add_argument("--cap-mib", type=int, default=64, help="staging cap of ours, MiB")
+    parser.add_argument(
+        "--stand-in-packing",
+        action="store_true",
+        help="pack the dense linear layers with rollout_sync.testing.packing where vLLM keeps plain weights",
+    )
     args = parser.parse_args(argv)
     rows_wanted = [r for r in args.rows.split(",") if r]
     unknown = [r for r in rows_wanted if r not in ROWS]
@@ -455,19 +518,20 @@ def main(argv: list[str] | None = None) -> int:
                 syncs=args.syncs,
                 timeout=args.timeout,
                 staging_cap_bytes=args.cap_mib << 20,
+                stand_in=args.stand_in_packing,
             )
         )
         _log(f"row {json.dumps(rows[-1])}")
     print(
         f"{'trainer':8} {'ours s':>8} {'base s':>8} {'x':>6} {'ours tr MB':>11} {'base tr MB':>11} "
-        f"{'ours ro MB':>11} {'base ro MB':>11} {'bitwise':>8}"
+        f"{'ours ro MB':>11} {'base ro MB':>11} {'bitwise':>8} {'packed':>7} {'logits':>7}"
     )
     for r in rows:
         print(
             f"{r['trainer']:8} {r['ours_s']:8.2f} {r['baseline_s']:8.2f} {r['speedup'] or 0:6.2f} "
             f"{r['ours_trainer_extra_bytes'] / 1e6:11.1f} {r['baseline_trainer_extra_bytes'] / 1e6:11.1f} "
             f"{r['ours_rollout_extra_bytes'] / 1e6:11.1f} {r['baseline_rollout_extra_bytes'] / 1e6:11.1f} "
-            f"{r['bitwise_equal']!s:>8}"
+            f"{r['bitwise_equal']!s:>8} {r['packed_layers']:7d} {r['logits_equal']!s:>7}"
         )
     if args.json:
         print(json.dumps({"rows": rows}))

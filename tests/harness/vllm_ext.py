@@ -16,9 +16,8 @@ with ``rs_harness_`` or ``rs_rollout_test_``. Runs in the spawned worker: the re
   a plan whose single source rank holds each logical tensor whole (read from a checkpoint);
 - ``rs_harness_packs`` / ``rs_harness_pack_linears``: whether vLLM keeps the dense linear layers' weights
   (on AVX-512/AMX CPUs it packs them and leaves an empty weight), and, where it keeps them, the contract
-  stand-in for such packing (``StandInPacking``: the layer's quant method derives another form, keeps it
-  in ``cpu_linear``'s closure as vLLM's CPU GEMM dispatch does, and removes the weight). The product sees
-  the same kind of layer through the same code path; only the kernel differs.
+  stand-in for such packing (``rollout_sync.testing.packing``: the layer's quant method derives another
+  form, keeps it in ``cpu_linear``'s closure as vLLM's CPU GEMM dispatch does, and removes the weight).
 """
 
 from __future__ import annotations
@@ -31,33 +30,10 @@ import torch
 
 from rollout_sync.rollout.apply import write_segment
 from rollout_sync.rollout.checkpoint import read_tensors
+from rollout_sync.testing.packing import dense_linears, pack_linears
 from vllm_plugin.extension import RolloutSyncExtension
 
 TEST_EXTENSION = "tests.harness.vllm_ext.TestWorkerExtension"
-
-
-def _dense_linears(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
-    from vllm.model_executor.layers.linear import LinearBase
-
-    return [(n, m) for n, m in model.named_modules() if isinstance(m, LinearBase)]
-
-
-def _stand_in_packing() -> Any:
-    """A quant method whose post-load step turns the weight into another form (a K-major copy, read back
-    transposed by the layer's ``cpu_linear``) and removes the weight: what vLLM's oneDNN / sgl dispatch
-    does on AVX-512/AMX CPUs, with a plain kernel. vLLM's reload runs it again after each rebuild."""
-    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
-
-    class StandInPacking(UnquantizedLinearMethod):
-        def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
-            weight = layer.weight
-            packed = weight.detach().t().contiguous()
-            layer.cpu_linear = lambda x, _w, bias: torch.nn.functional.linear(x, packed.t(), bias)
-            layer.weight = torch.nn.Parameter(
-                torch.empty(0, dtype=weight.dtype, device=weight.device), requires_grad=False
-            )
-
-    return StandInPacking()
 
 
 class TestWorkerExtension(RolloutSyncExtension):
@@ -85,21 +61,14 @@ class TestWorkerExtension(RolloutSyncExtension):
     def rs_harness_packs(self) -> dict[str, int]:
         """How many dense linear layers vLLM left with an empty weight (packed by the CPU GEMM dispatch or
         by the stand-in), and how many there are."""
-        linears = _dense_linears(self.model_runner.model)
+        linears = dense_linears(self.model_runner.model)
         empty = sum(1 for _, m in linears if m.weight.numel() == 0)
         return {"linears": len(linears), "empty_weight": empty}
 
     def rs_harness_pack_linears(self) -> int:
         """Put the contract stand-in on every dense linear layer that keeps its weight and run its post-load
         step now, as vLLM does at load; returns how many layers it packed."""
-        packed = 0
-        for _, module in _dense_linears(self.model_runner.model):
-            if module.weight.numel() == 0:
-                continue
-            module.quant_method = _stand_in_packing()
-            module.quant_method.process_weights_after_loading(module)
-            packed += 1
-        return packed
+        return pack_linears(self.model_runner.model)
 
     def rs_rollout_test_scale_loader(self, param_name: str, factor: float) -> None:
         from vllm.model_executor.model_loader.weight_utils import default_weight_loader
