@@ -114,6 +114,16 @@ def engine_env(tp: int) -> None:
     os.environ["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [os.environ.get("PYTHONPATH")])])
 
 
+def digests(llm: Any) -> list[dict[str, str]]:
+    """Per worker, the SHA-256 of every parameter and of the loaded form the last update wrote into each
+    layer that vLLM keeps packed (its weight is empty: the loaded form is what a sync writes)."""
+    params = llm.collective_rpc("rollout_sync_param_digests")
+    loaded = llm.collective_rpc("rollout_sync_loaded_digests")
+    return [
+        {**p, **{f"{n} (loaded form)": d for n, d in l.items()}} for p, l in zip(params, loaded, strict=True)
+    ]
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     os.environ["DS_ACCELERATOR"] = "cpu"
@@ -162,6 +172,8 @@ def main(argv: list[str] | None = None) -> int:
         setup_s = max(pool.call(setup, spec, str(model)))
         print(f"[grpo] DeepSpeed engines up in {setup_s:.0f} s", flush=True)
         setup_engines([llm], first_rank=trainers)
+        if args.verify:  # layers vLLM keeps packed (empty weights) are verified through their loaded form
+            llm.collective_rpc("rollout_sync_record_loaded", args=(True,))
         address = f"tcp://127.0.0.1:{free_port()}"
         started = time.perf_counter()
         pending = pool.submit(attach, address, token, 1, 1, "balanced", 120.0)
@@ -203,9 +215,9 @@ def main(argv: list[str] | None = None) -> int:
             if args.verify:
                 ckpt = work / "verify" / f"step{step}"
                 pool.call(save_weights, str(ckpt), str(model))
-                before = llm.collective_rpc("rollout_sync_param_digests")
+                before = digests(llm)
                 apply_checkpoint([llm], str(ckpt))
-                after = llm.collective_rpc("rollout_sync_param_digests")
+                after = digests(llm)
                 changed = sum(b[n] != a[n] for b, a in zip(before, after, strict=True) for n in b)
                 row["verified"] = changed == 0
                 row["params_differing"] = changed

@@ -6,7 +6,7 @@ engine's own packed layers are used. Where vLLM keeps plain weights (AVX2), the 
 (``tests/harness/vllm_ext.py``: ``StandInPacking``) packs them the same way first, and the product takes
 the same path. Either way the test runs: it is never skipped.
 
-Checked at every step: every layer's loaded form, as the sync wrote it, equals (digest) what a write of the
+Setup probes the packed layers' loaded form: the maps equal the pure builders'. Checked at every step: every layer's loaded form, as the sync wrote it, equals (digest) what a write of the
 trainer's own checkpoint (DeepSpeed's gathers, not our maps' sources) writes, before vLLM processes it; the
 layers are rebuilt (weights empty again, tokens as after the checkpoint write). After the last step: greedy
 tokens and every raw logit of every vocabulary entry equal a fresh engine started from the trainer's
@@ -24,6 +24,8 @@ from rollout_sync.errors import IncompleteUpdateError
 from rollout_sync.testing.deepspeed import DeepSpeedSpec
 from tests.e2e.e2e_steps import check_steps, run_sync_steps
 from tests.harness.vllm_engines import LOGITS_KWARGS, shared_spec
+from tests.vllm.rollout_checks import builder_differences
+from vllm_plugin.driver import setup_engines
 
 pytestmark = [pytest.mark.vllm, pytest.mark.deepspeed]
 
@@ -52,6 +54,8 @@ def test_zero3_syncs_into_packed_linear_layers_through_their_loaded_form(
 
     try:
         packs = pack(engine)
+        # Setup learns the loaded form of the packed layers: the probed maps equal the pure builders'.
+        probed = setup_engines([engine], first_rank=2).maps
         run = run_sync_steps(engine, DeepSpeedSpec("dense", 3), model, tmp_path, steps=2, prepare=prepare)
         synced_logits = engine.logits()
         # A write that leaves a packed layer incomplete is refused; the layer keeps its weights. (Through
@@ -74,6 +78,7 @@ def test_zero3_syncs_into_packed_linear_layers_through_their_loaded_form(
     for summary in seen["summary"]:
         assert summary["loaded_form_layers"] == packs["linears"]
         assert summary["largest_layer_loaded_bytes"] > 0
+    assert builder_differences(probed, model, 1, 2, 2) == []
     check_steps(run)
     for rec in run.steps:
         assert all(rec.synced.loaded), "no loaded form was recorded"
