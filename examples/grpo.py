@@ -120,7 +120,7 @@ def digests(llm: Any) -> list[dict[str, str]]:
     params = llm.collective_rpc("rollout_sync_param_digests")
     loaded = llm.collective_rpc("rollout_sync_loaded_digests")
     return [
-        {**p, **{f"{n} (loaded form)": d for n, d in l.items()}} for p, l in zip(params, loaded, strict=True)
+        {**p, **{f"{n} (loaded form)": d for n, d in w.items()}} for p, w in zip(params, loaded, strict=True)
     ]
 
 
