@@ -136,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     from rollout_sync.testing.rank_pool import RankPool, free_port
     from rollout_sync.testing.tiny_models import make_tiny_model
     from rollout_sync.testing.trainer_ranks import attach, setup
-    from vllm_plugin.driver import apply_checkpoint, receive_sync, setup_engines
+    from vllm_plugin.driver import apply_checkpoint, connect_engine, receive_sync, setup_engines
 
     kind = "moe" if args.autoep > 1 else "dense"
     work = Path(args.workdir)
@@ -177,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
         address = f"tcp://127.0.0.1:{free_port()}"
         started = time.perf_counter()
         pending = pool.submit(attach, address, token, 1, 1, "balanced", 120.0)
-        llm.collective_rpc("rollout_sync_connect", kwargs={"address": address, "engine": 0, "token": token})
+        connect_engine(llm, address, 0, token=token)
         pending.result(240)
         print(f"[grpo] handshake, plan and sync group in {time.perf_counter() - started:.2f} s", flush=True)
 

@@ -131,6 +131,11 @@ class PeerFailedError(RolloutSyncError, RuntimeError):
     """A peer failed, died or refused during a sync."""
 
 
+class StaleAnswerError(PeerFailedError):
+    """An engine's worker answered a call with another call's answer (vLLM left a failed call's replies
+    queued); the engine's calls are misaligned and it must be restarted."""
+
+
 class SyncTimeoutError(RolloutSyncError, TimeoutError):
     """A wait ran past its timeout."""
 

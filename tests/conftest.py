@@ -55,6 +55,7 @@ def _cuda_available() -> bool:
 ENGINE_MODULE_ORDER = (
     "tests/smoke/test_vllm_smoke.py",  # dense seed 0, TP 2
     "tests/e2e/test_e2e_weight_transfer.py",  # dense seed 0, TP 2
+    "tests/vllm/test_engine_calls.py",  # dense seed 0, TP 2
     "tests/e2e/test_e2e_sync.py",  # dense seed 0, TP 2; then MoE seed 0, TP 2
     "tests/vllm/test_rollout_apply.py",  # MoE seeds 0 and 1, TP 2; then dense seeds 0 and 1, TP 1
     "tests/vllm/test_rollout_backend.py",  # MoE seed 1, TP 2, expert parallel

@@ -1,8 +1,10 @@
 """Driver-side helpers for one or several vLLM engines loaded with ``RolloutSyncExtension``.
 
 An engine is anything with vLLM's ``collective_rpc(method, args=(), kwargs=None)`` (``vllm.LLM``; an
-``AsyncLLM`` needs an async wrapper). Engines are numbered in the order given: engine ``k``'s workers are
-global ranks ``first_rank + (workers of engines before k) + tp_rank``.
+``AsyncLLM`` needs an async wrapper), or a served engine (``http_driver.ServerEngine``). Engines are numbered
+in the order given: engine ``k``'s workers are global ranks ``first_rank + (workers of engines before k) +
+tp_rank``. Every call carries its own nonce and a worker's failure comes back as an answer, never as a
+raised RPC error (``vllm_plugin.calls``): after a failed call the engine's next call gets its own answers.
 """
 
 from __future__ import annotations
@@ -15,7 +17,9 @@ from rollout_sync.rollout.codec import local_targets_from_dict
 from rollout_sync.rollout.probe import DEFAULT_MAX_PIECES
 from rollout_sync.rollout.targets import RolloutTargets, assemble
 
-__all__ = ["apply_checkpoint", "receive_sync", "setup_engines"]
+from .calls import call
+
+__all__ = ["apply_checkpoint", "connect_engine", "engine_status", "receive_sync", "setup_engines"]
 
 
 def setup_engines(
@@ -29,9 +33,11 @@ def setup_engines(
     ranks: list[tuple[int, ...]] = []
     refused: dict[str, list[int]] = {}
     next_rank = first_rank
-    for engine in engines:
-        summaries = engine.collective_rpc(
-            "rollout_sync_setup",
+    for k, engine in enumerate(engines):
+        summaries = call(
+            engine,
+            "setup",
+            name=str(k),
             kwargs={
                 "first_rank": next_rank,
                 "tensors": {k: list(v) for k, v in tensors.items()} if tensors else None,
@@ -50,12 +56,36 @@ def setup_engines(
     for name, holders in sorted(refused.items()):
         # One map per tensor: a tensor refused on some rank is staged whole on every rank.
         reason = f"staged whole on every rank: refused for in-place writes on ranks {sorted(holders)}"
-        for engine in engines:
-            engine.collective_rpc("rollout_sync_fallback", args=([name], reason))
+        for k, engine in enumerate(engines):
+            call(engine, "fallback", args=([name], reason), name=str(k))
     workers = []
-    for engine in engines:
-        workers += [local_targets_from_dict(d) for d in engine.collective_rpc("rollout_sync_local_targets")]
+    for k, engine in enumerate(engines):
+        workers += [local_targets_from_dict(d) for d in call(engine, "local_targets", name=str(k))]
     return assemble(workers, ranks)
+
+
+def connect_engine(
+    engine: Any,
+    address: str,
+    index: int = 0,
+    *,
+    token: str | None = None,
+    timeout: float = 120.0,
+    staging_cap_bytes: int | None = None,
+) -> list[dict[str, Any]]:
+    """Join engine ``index``'s workers to the sync group through the coordinator at ``address`` (blocks
+    until every trainer rank and worker has joined: run it beside ``TrainerSync.attach``). A refused
+    handshake raises ``PeerFailedError`` naming the engine and each worker's error; the engine's next call
+    (a ``status``, a second handshake) gets its own answers."""
+    kwargs: dict[str, Any] = {"address": address, "engine": index, "token": token, "timeout": timeout}
+    if staging_cap_bytes is not None:
+        kwargs["staging_cap_bytes"] = staging_cap_bytes
+    return list(call(engine, "connect", kwargs=kwargs, name=str(index)))
+
+
+def engine_status(engine: Any, name: str = "0") -> list[dict[str, Any]]:
+    """Each worker's link state (``rollout_sync_status``): rank, version, ``incomplete``, last error."""
+    return list(call(engine, "status", name=name))
 
 
 def apply_checkpoint(
@@ -64,8 +94,8 @@ def apply_checkpoint(
     """Write a checkpoint into every engine through the maps (one call per engine, so no generation runs
     in between on that engine), then reset each engine's prefix cache. Returns each worker's report."""
     reports = []
-    for engine in engines:
-        reports.append(list(engine.collective_rpc("rollout_sync_apply_checkpoint", args=(str(path), names))))
+    for k, engine in enumerate(engines):
+        reports.append(list(call(engine, "apply_checkpoint", args=(str(path), names), name=str(k))))
         reset = getattr(engine, "reset_prefix_cache", None)
         if callable(reset):
             reset()
@@ -82,7 +112,7 @@ def receive_sync(engines: Sequence[Any]) -> list[list[dict[str, Any]]]:
     from concurrent.futures import ThreadPoolExecutor
 
     with ThreadPoolExecutor(max_workers=max(len(engines), 1)) as pool:
-        futures = [pool.submit(engine.collective_rpc, "rollout_sync_receive") for engine in engines]
+        futures = [pool.submit(call, engine, "receive", name=str(k)) for k, engine in enumerate(engines)]
         reports = [list(f.result()) for f in futures]
     versions = {int(r["version"]) for per_engine in reports for r in per_engine}
     if len(versions) != 1:

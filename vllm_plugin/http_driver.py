@@ -3,8 +3,8 @@
 The server must run with ``VLLM_SERVER_DEV_MODE=1`` (vLLM 0.32 exposes ``/collective_rpc``, ``/pause``,
 ``/resume`` and ``/update_weight_version`` only then). Every rollout-sync call goes through
 ``/collective_rpc`` as ``rollout_sync_call`` with a fresh nonce, and every worker's answer must carry that
-nonce: a stale answer (vLLM at TP > 1 once returned the previous call's error to the next call) raises
-``PeerFailedError`` instead of being trusted.
+nonce (``vllm_plugin.calls``, shared with the offline driver): a stale answer raises ``StaleAnswerError``
+instead of being trusted.
 
 ``ServerEngine`` has ``collective_rpc(method, args, kwargs)``, so ``vllm_plugin.driver.setup_engines``
 accepts it like an offline ``vllm.LLM``. A sync is ``pause`` (clears the prefix cache), ``receive`` on
@@ -24,28 +24,9 @@ from typing import Any
 
 from rollout_sync.errors import PeerFailedError, SyncTimeoutError
 
+from .calls import PREFIX, call_request, check_answers
+
 __all__ = ["ServerEngine", "check_answers", "rpc_timeout"]
-
-_PREFIX = "rollout_sync_"
-
-
-def check_answers(engine: str, method: str, nonce: str, answers: Any) -> list[Any]:
-    """The per-worker results of one ``rollout_sync_call``; raises ``PeerFailedError`` naming the engine
-    when an answer is missing, carries another call's nonce, or reports an error."""
-    if not isinstance(answers, list) or not answers:
-        raise PeerFailedError(f"engine {engine}: {method}: expected one answer per worker, got {answers!r}")
-    results = []
-    for worker, answer in enumerate(answers):
-        if not isinstance(answer, dict) or answer.get("nonce") != nonce:
-            found = answer.get("nonce") if isinstance(answer, dict) else answer
-            raise PeerFailedError(
-                f"engine {engine} worker {worker}: {method}: stale or foreign answer "
-                f"(expected nonce {nonce}, found {found!r})"
-            )
-        if "error" in answer:
-            raise PeerFailedError(f"engine {engine} worker {worker}: {method} failed: {answer['error']}")
-        results.append(answer.get("result"))
-    return results
 
 
 def rpc_timeout(limit: float) -> float:
@@ -114,7 +95,7 @@ class ServerEngine:
         limit = self.timeout if timeout is None else timeout
         body = {
             "method": "rollout_sync_call",
-            "kwargs": {"method": method, "nonce": nonce, "kwargs": dict(kwargs or {}), "args": list(args)},
+            "kwargs": call_request(method, nonce, kwargs, args),
             "timeout": rpc_timeout(limit),
         }
         got = self.request("/collective_rpc", body, timeout=limit + 10.0)
@@ -125,9 +106,9 @@ class ServerEngine:
         self, method: str, args: Sequence[Any] = (), kwargs: Mapping[str, Any] | None = None
     ) -> list[Any]:
         """``vllm.LLM.collective_rpc``'s shape for ``rollout_sync_*`` methods (``driver.setup_engines``)."""
-        if not method.startswith(_PREFIX):
+        if not method.startswith(PREFIX):
             raise ValueError(f"engine {self.name}: only rollout_sync_* methods go over HTTP, not {method!r}")
-        return self.call(method[len(_PREFIX) :], kwargs, args)
+        return self.call(method[len(PREFIX) :], kwargs, args)
 
     def connect(self, address: str, engine: int, token: str | None, timeout: float = 120.0) -> list[Any]:
         """Join the sync group (blocks until the trainer has joined: run it in a thread)."""

@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     from vllm.inputs import TokensPrompt
 
     from rollout_sync.sync.endpoint import resolve_token
-    from vllm_plugin.driver import receive_sync, setup_engines
+    from vllm_plugin.driver import connect_engine, receive_sync, setup_engines
 
     token = resolve_token(None)  # ROLLOUT_SYNC_TOKEN
     started = time.perf_counter()
@@ -106,10 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"[rollout] vLLM engine up in {time.perf_counter() - started:.0f} s", flush=True)
     setup_engines([llm], first_rank=args.trainer_ranks)
     started = time.perf_counter()
-    llm.collective_rpc(
-        "rollout_sync_connect",
-        kwargs={"address": args.address, "engine": 0, "token": token, "timeout": args.timeout},
-    )
+    connect_engine(llm, args.address, 0, token=token, timeout=args.timeout)
     print(f"[rollout] joined the trainer's sync group in {time.perf_counter() - started:.1f} s", flush=True)
     greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     initial = weights_digest(llm)

@@ -47,9 +47,27 @@ def matched_pairs(
                 expected="a source map of the same name",
                 found="none",
             )
-        check_shapes(s, t)
         pairs.append((s, t))
+    check_all_shapes(pairs)
     return pairs
+
+
+def check_all_shapes(pairs: Sequence[tuple[TensorMap, TensorMap]], most: int = 10) -> None:
+    """``ShapeMismatchError`` naming every pair whose logical shapes differ (the first ``most`` and a
+    count of the others), with both shapes; its ``tensor`` is the first."""
+    wrong = [(s, t) for s, t in pairs if s.shape != t.shape]
+    if not wrong:
+        return
+    if len(wrong) == 1:
+        check_shapes(*wrong[0])
+    listed = "; ".join(f"{t.name!r}: target {t.shape}, source {s.shape}" for s, t in wrong[:most])
+    more = f"; and {len(wrong) - most} more" if len(wrong) > most else ""
+    raise ShapeMismatchError(
+        f"source and target maps describe different logical shapes for {len(wrong)} tensors",
+        tensor=wrong[0][1].name,
+        expected="the same logical shape on both sides",
+        found=listed + more,
+    )
 
 
 def check_shapes(source: TensorMap, target: TensorMap) -> None:

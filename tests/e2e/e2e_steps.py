@@ -13,7 +13,7 @@ from rollout_sync.testing.rank_pool import RankContext, RankPool, free_port
 from rollout_sync.testing.trainer_ranks import attach, setup, train_step
 from tests.harness.vllm_engines import DEFAULT_PROMPTS
 from tests.vllm.rollout_checks import Snapshot, differing_params, snapshot
-from vllm_plugin.driver import apply_checkpoint, receive_sync, setup_engines
+from vllm_plugin.driver import apply_checkpoint, connect_engine, receive_sync, setup_engines
 
 TOKEN = "e2e-token"
 TRAINER_ENV = {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
@@ -70,10 +70,7 @@ def run_sync_steps(
             prepare(engine)
         address = f"tcp://127.0.0.1:{free_port()}"
         pending = pool.submit(attach, address, TOKEN, 1, 1, policy, timeout)
-        engine.collective_rpc(
-            "rollout_sync_connect",
-            kwargs={"address": address, "engine": 0, "token": TOKEN, "timeout": timeout},
-        )
+        connect_engine(engine, address, 0, token=TOKEN, timeout=timeout)
         run = E2ERun(ranks=pending.result(timeout * 2))
         for step in range(1, steps + 1):
             pending = pool.submit(train_step, step)

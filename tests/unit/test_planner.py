@@ -160,6 +160,18 @@ def test_maps_of_different_logical_shapes_are_refused():
         plan_tensor(whole("a", (4,), [0]), whole("a", (5,), [1]))
 
 
+def test_every_tensor_of_mismatching_shape_is_named_the_first_ten_and_a_count():
+    names = [f"t{i:02d}" for i in range(12)]
+    sources = [whole(n, (5, 2), [0]) for n in names] + [whole("ok", (3,), [0])]
+    targets = [whole(n, (4, 2), [1]) for n in names] + [whole("ok", (3,), [1])]
+    with pytest.raises(ShapeMismatchError) as err:
+        plan_model(sources, targets)
+    text = str(err.value)
+    assert err.value.tensor == "t00" and "for 12 tensors" in text
+    assert all(f"'{n}': target (4, 2), source (5, 2)" in text for n in names[:10])
+    assert "'t10'" not in text and "and 2 more" in text and "'ok'" not in text
+
+
 def test_target_elements_no_source_holds_are_refused_naming_tensor_rank_and_box():
     # the source holds rows 0..1 of a [4, 3] tensor only; rank 9 needs all of it
     source = TensorMap(
