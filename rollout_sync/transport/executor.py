@@ -23,8 +23,8 @@ failed peer may be closed (gloo closes a pair on a timeout): build a new group b
 
 **Streamed targets**: a target given as a meta tensor (its shape and dtype only) exists only while it is
 written, through a ``TargetStream``: ``open(name)`` makes it at its first received byte, ``close(name)``
-follows its last. Its direct messages are posted in plan order with at most ``staging_cap_bytes`` of them
-in flight (each pair's messages keep their order), so targets stream through memory instead of all
+follows its last. Its direct messages are posted in plan order with at most ``staging_cap_bytes`` (less
+the staging arena) of them in flight, at least one (each pair's messages keep their order), so targets stream through memory instead of all
 existing at once (a layer's loaded form that vLLM rebuilds into a kernel's form, on the rollout side).
 
 Staging (pack and unpack slots) lives in one arena per executor, allocated once and reused; its size is at
@@ -390,7 +390,8 @@ class Executor:
             ]
             posted = transport.post(ops)
             if targets.streamed:
-                cap = self.options.staging_cap_bytes
+                # the staging arena and the streamed bytes in flight share the cap
+                cap = self.options.staging_cap_bytes - arena.numel() * arena.element_size()
                 in_flight = 0
                 # by tensor, then peer: each pair's messages keep their order (NCCL matches by order)
                 for m, parts in sorted(
