@@ -68,6 +68,9 @@ def receive(worker: RolloutWorker, link: RolloutLink, *, open_update: bool = Tru
     With ``open_update=False`` the caller has already opened the update (vLLM's ``start_weight_update``)
     and will finish it (``finish_weight_update``)."""
     session = worker.begin() if open_update else worker.session
+    forms = worker.loaded_forms
+    if forms is not None:
+        forms.reset_seconds()
     if session is None:
         raise RuntimeError(f"rank {worker.rank}: no weight update is open (call start_weight_update first)")
     try:
@@ -87,4 +90,7 @@ def receive(worker: RolloutWorker, link: RolloutLink, *, open_update: bool = Tru
         "seconds": result.seconds,
         "stats": result.stats.to_dict(),
         "refreshed": report.get("refreshed", []),
+        "loaded_forms": None
+        if forms is None
+        else {"rebuilt": forms.rebuilt, **{f"{k}_s": round(v, 4) for k, v in forms.seconds.items()}},
     }

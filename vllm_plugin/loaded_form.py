@@ -32,6 +32,7 @@ elements the plan never delivers).
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -104,6 +105,12 @@ class LoadedForms:
         self.by_param = {p: layer.name for layer in self.layers.values() for p in layer.params}
         self.zero: dict[str, list[tuple[int, int]]] = {}
         self.open_layers: dict[str, dict[str, torch.Tensor]] = {}
+        self.seconds = {"open": 0.0, "rebuild": 0.0}  # since the last ``reset_seconds``
+        self.rebuilt = 0
+
+    def reset_seconds(self) -> None:
+        self.seconds = {"open": 0.0, "rebuild": 0.0}
+        self.rebuilt = 0
 
     @classmethod
     def find(cls, model: torch.nn.Module) -> LoadedForms:
@@ -193,6 +200,7 @@ class LoadedForms:
         if opened is not None:
             return opened
         layerwise = _reload()
+        started = time.perf_counter()
         layer = self.layers[name]
         self._to_loaded_form(layer)
         info = layerwise.get_layerwise_info(layer.module)
@@ -210,12 +218,14 @@ class LoadedForms:
                     flat[start:stop].zero_()
         opened = {p: t.data for p, t in tensors.items()}
         self.open_layers[name] = opened
+        self.seconds["open"] += time.perf_counter() - started
         return opened
 
     def close(self, name: str) -> None:
         """Every element of layer ``name`` has landed: run vLLM's post-load processing of the layer, copy
         the result into the kernel's tensors, free the loaded form."""
         layerwise = _reload()
+        started = time.perf_counter()
         layer = self.layers[name]
         self.open_layers.pop(name)
         info = layerwise.get_layerwise_info(layer.module)
@@ -225,6 +235,8 @@ class LoadedForms:
         except BaseException:
             self._to_kernel_form(layer)
             raise
+        self.seconds["rebuild"] += time.perf_counter() - started
+        self.rebuilt += 1
 
     def discard(self) -> list[str]:
         """Put the kernel's tensors back on every open layer, unprocessed (their old weights stay)."""

@@ -31,8 +31,10 @@ the kernel's RSS high-water mark (``VmHWM``, reset through ``/proc/self/clear_re
 before the sync, in every trainer rank and every vLLM worker; the row reports the largest per side, over the
 measured syncs. After each method's last sync the trainer's gathered weights are saved as a checkpoint and
 written into the engine through vLLM's loader maps (``apply_checkpoint``): if no worker's parameter digest
-changes, the engine held exactly the trainer's weights (``bitwise_equal``; for packed layers, whose weights
-are empty, the test suite compares their loaded forms). After the row, a fresh engine is started from the
+changes, the engine held exactly the trainer's weights (``bitwise_equal``). Packed layers hold empty weights:
+for ours, one more (unmeasured) sync digests every layer's loaded form before vLLM rebuilds it, and the
+checkpoint's write must give the same digests; the baseline's loaded forms cannot be seen (vLLM's reload
+consumes them), so its ``baseline_bitwise_equal`` covers the unpacked parameters only. After the row, a fresh engine is started from the
 checkpoint saved after ours (packed the same way) and its raw logits for every vocabulary entry at two
 greedy positions of a fixed prompt are compared, by digest, with the synced engine's (``logits_equal``).
 
@@ -100,7 +102,21 @@ def method_summary(
         "trainer_extra_bytes": max(int(r["extra_bytes"]) for sync in trainer for r in sync),
         "rollout_extra_bytes": max(int(r["extra_bytes"]) for sync in workers for r in sync),
         "bytes_moved": max(sum(int(r["bytes_sent"]) for r in sync) for sync in trainer),
+        "rollout_phase_s": _phases(workers[-1]),
     }
+
+
+def _phases(reports: Sequence[Mapping[str, Any]]) -> dict[str, float]:
+    """Seconds by phase of the slowest worker's receive (the executor's phases, and the loaded forms'
+    opening and rebuilding where the engine keeps layers in another form), from one sync's reports."""
+    out: dict[str, float] = {}
+    for r in reports:
+        phases = dict((r.get("stats") or {}).get("seconds") or {})
+        forms = r.get("loaded_forms") or {}
+        phases.update({k: v for k, v in forms.items() if k.endswith("_s")})
+        for k, v in phases.items():
+            out[k] = max(out.get(k, 0.0), round(float(v), 4))
+    return out
 
 
 def assemble_row(
@@ -119,6 +135,8 @@ def assemble_row(
         row[f"{name}_rollout_extra_bytes"] = int(m["rollout_extra_bytes"])
         row[f"{name}_bytes_moved"] = int(m["bytes_moved"])
         row[f"{name}_all_s"] = list(m["all_seconds"])
+        if m.get("rollout_phase_s"):
+            row[f"{name}_rollout_phase_s"] = dict(m["rollout_phase_s"])
     row["bitwise_equal"] = bool(ours_equal)
     row["baseline_bitwise_equal"] = bool(baseline_equal)
     row["speedup"] = round(row["baseline_s"] / row["ours_s"], 2) if row["ours_s"] > 0 else None
@@ -301,7 +319,13 @@ def _log(msg: str) -> None:
 
 
 def _digests(llm: Any) -> list[dict[str, str]]:
-    return [dict(d) for d in llm.collective_rpc("rollout_sync_param_digests")]
+    """Per worker: every parameter's digest, and the loaded form's as the last recorded update wrote it
+    for each layer kept in another form (``rollout_sync_record_loaded``)."""
+    params = llm.collective_rpc("rollout_sync_param_digests")
+    loaded = llm.collective_rpc("rollout_sync_loaded_digests")
+    return [
+        {**p, **{f"{n} (loaded form)": d for n, d in w.items()}} for p, w in zip(params, loaded, strict=True)
+    ]
 
 
 def _logits(llm: Any) -> str:
@@ -424,9 +448,16 @@ def run_row(
                 return pending.result(timeout * 4), w
 
             ours, ours_changed = _measure(f"{trainer} ours", ours_once, warmup, syncs, llm, pool)
+            packed = int(summaries[0]["loaded_form_layers"])
+            if packed:  # one more sync, not measured, whose loaded forms are digested before rebuilding
+                llm.collective_rpc("rollout_sync_record_loaded", args=(True,))
+                pool.call(perturb)
+                ours_once(warmup + syncs)
+                llm.reset_prefix_cache()
             ours_logits = _logits(llm)
             checkpoint = workdir / f"check-{trainer}-ours"
             ours_equal, _ = _check_bitwise(pool, llm, checkpoint, model, keep=True)
+            llm.collective_rpc("rollout_sync_record_loaded", args=(False,))
             _log(f"{trainer} ours: bitwise equal {ours_equal}")
 
             port = free_port()
@@ -468,7 +499,7 @@ def run_row(
         staging_cap_bytes=staging_cap_bytes,
     )
     row["handshake_s"] = round(handshake_s, 3)
-    row["packed_layers"] = int(summaries[0]["loaded_form_layers"])
+    row["packed_layers"] = packed
     row["largest_layer_loaded_bytes"] = max(int(s["largest_layer_loaded_bytes"]) for s in summaries)
     row["packing"] = (
         "vllm" if packing["packed_by_vllm"] else "stand-in" if packing["packed_by_stand_in"] else "none"
