@@ -9,7 +9,9 @@ bit for bit). (Engines of different TP sizes in one plan are refused: their maps
 differently, see the report of ``merge``.) Then the failures: a stale RPC
 answer is refused; a trainer rank killed mid-sync makes every worker fail in time, each server keeps serving
 without claiming the version, and a restarted trainer repairs it; a server killed mid-sync makes every
-trainer rank raise in time naming that engine, and a restarted server rejoins through a new handshake
+trainer rank raise in time naming that engine, a handshake refused for mismatching shapes (a trainer with a
+larger vocabulary) names every mismatching tensor and leaves each server's next calls their own answers and a
+second handshake and sync bit for bit, and a restarted server rejoins through a new handshake
 without a trainer restart (same layout: the cached plan is reused). The servers are shared by the module
 (start-up dominates: 40-140 s each here)."""
 
@@ -23,12 +25,14 @@ from typing import Any
 
 import pytest
 
-from rollout_sync.errors import PeerFailedError, SyncTimeoutError
+from rollout_sync.errors import PeerFailedError, ShapeMismatchError, SyncTimeoutError
+from rollout_sync.sync.trainer import TrainerSync
 from rollout_sync.testing.deepspeed import DeepSpeedSpec
 from rollout_sync.testing.rank_pool import RankContext, RankError, RankPool, free_port
 from rollout_sync.testing.trainer_ranks import attach, setup, train_step
 from tests.e2e.e2e_steps import TRAINER_ENV, save_checkpoint
 from tests.harness.vllm_engines import DEFAULT_PROMPTS
+from tests.harness.whole_trainer import VOCAB_TENSORS, whole_sources
 from tests.serve.servers import WEIGHT_TRANSFER, Server, launch, wait_all
 from vllm_plugin.driver import apply_checkpoint, setup_engines
 from vllm_plugin.http_driver import ServerEngine, check_answers
@@ -267,6 +271,52 @@ def test_a_server_killed_mid_sync_makes_every_trainer_rank_raise_in_time_naming_
     assert servers[0].engine.status()[0]["incomplete"] is True
     assert servers[0].engine.weight_version() == before, "a failed sync must not move the version"
     assert len(servers[0].engine.complete_greedy(DEFAULT_PROMPTS[:1], max_tokens=4)[0]) == 4
+
+
+def test_a_refused_handshake_names_every_mismatching_tensor_and_the_servers_next_calls_get_their_own_answers(
+    servers: list[Server], trainer: Trainer, model: Path, tmp_path: Path
+) -> None:
+    engines = [s.engine for s in servers]
+    before = [e.status() for e in engines]
+    # A trainer whose model has 4 more vocabulary rows than the servers' (one rank, every tensor whole).
+    maps, sources = whole_sources(model, grow=4)
+    address = f"tcp://127.0.0.1:{free_port()}"
+    with ThreadPoolExecutor(1 + len(engines)) as pool:
+        bad = pool.submit(
+            TrainerSync.connect,
+            maps,
+            sources,
+            rank=0,
+            world_size=1,
+            address=address,
+            engines=2,
+            token=TOKEN,
+            timeout=SYNC_TIMEOUT,
+        )
+        joins = [pool.submit(e.connect, address, k, TOKEN, SYNC_TIMEOUT) for k, e in enumerate(engines)]
+        with pytest.raises(ShapeMismatchError) as refused:
+            bad.result(SYNC_TIMEOUT * 3)
+        for e, join in zip(engines, joins, strict=True):
+            with pytest.raises(PeerFailedError) as failed:
+                join.result(SYNC_TIMEOUT * 3)
+            for worker in (0, 1):
+                assert f"engine {e.name} worker {worker}: connect failed: HandshakeError" in str(failed.value)
+            for text in (str(refused.value), str(failed.value)):
+                for name in VOCAB_TENSORS:
+                    assert f"'{name}': target (1000, 128), source (1004, 128)" in text, text
+    # Each server's next call gets its own answer (the nonces are checked), its old link untouched.
+    assert [e.status() for e in engines] == before
+    # A second handshake with the right model on the same servers, then a sync: bit for bit.
+    handshake(trainer, engines)
+    pending, receives = step_and_receive(trainer, engines)
+    reports = [r.result(SYNC_TIMEOUT * 3) for r in receives]
+    version = pending.result(SYNC_TIMEOUT * 3)[0]["sync"]["version"]
+    assert all(not w["incomplete"] and w["version"] == version for r in reports for w in r), reports
+    checkpoint = tmp_path / "after_refusal"
+    trainer.live().call(save_checkpoint, str(checkpoint), str(model))
+    synced = [digests(e) for e in engines]
+    apply_checkpoint(engines, str(checkpoint))
+    assert [digests(e) for e in engines] == synced, "a server does not hold exactly the trainer's weights"
 
 
 def test_a_restarted_server_rejoins_through_a_new_handshake_without_a_trainer_restart(

@@ -15,42 +15,23 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
 from rollout_sync.errors import PeerFailedError, ShapeMismatchError
-from rollout_sync.layout.box import Box, row_major_strides
-from rollout_sync.layout.maps import Piece, RankStorage, TensorMap
-from rollout_sync.rollout.checkpoint import read_tensors
 from rollout_sync.sync.trainer import TrainerSync
 from rollout_sync.testing.rank_pool import free_port
 from tests.harness.vllm_engines import shared_spec
+from tests.harness.whole_trainer import VOCAB_TENSORS, whole_sources
 from tests.vllm.rollout_checks import snapshot
 from vllm_plugin.driver import apply_checkpoint, connect_engine, engine_status, receive_sync, setup_engines
 
 pytestmark = pytest.mark.vllm
 
 TOKEN = "calls-token"
-GROWN = ("lm_head.weight", "model.embed_tokens.weight")
-
-
-def whole(checkpoint: Path, grow: int = 0) -> tuple[list[TensorMap], dict[str, torch.Tensor]]:
-    """Rank 0 holds every tensor whole; ``grow`` extra vocabulary rows on the embedding and lm_head."""
-    maps, sources = [], {}
-    for name, t in read_tensors(checkpoint, None):
-        t = t.contiguous()
-        if grow and name in GROWN:
-            t = torch.cat([t, torch.zeros(grow, t.shape[1], dtype=t.dtype)])
-        shape = tuple(t.shape)
-        piece = Piece(Box((0,) * len(shape), shape), 0, row_major_strides(shape), (0,))
-        dtype = str(t.dtype).removeprefix("torch.")
-        maps.append(TensorMap(name, shape, dtype, {0: RankStorage(shape, (piece,))}))
-        sources[name] = t
-    return maps, sources
 
 
 def handshake(engine: Any, checkpoint: Path, grow: int = 0) -> tuple[Any, Any]:
     """(the trainer's outcome, the engine's outcome): each a TrainerSync / worker statuses or an error."""
-    maps, sources = whole(checkpoint, grow)
+    maps, sources = whole_sources(checkpoint, grow)
     address = f"tcp://127.0.0.1:{free_port()}"
     with ThreadPoolExecutor(2) as pool:
         trainer = pool.submit(
@@ -93,7 +74,7 @@ def test_after_a_failed_receive_and_a_refused_handshake_every_call_gets_its_own_
         assert isinstance(trainer, ShapeMismatchError), trainer
         for text in (str(trainer), str(rollout)):
             assert "different logical shapes for 2 tensors" in text, text
-            for name in GROWN:
+            for name in VOCAB_TENSORS:
                 assert f"'{name}': target (1000, 128), source (1004, 128)" in text, text
         assert isinstance(rollout, PeerFailedError) and "engine 0 worker 1" in str(rollout), rollout
         statuses = engine_status(engine)
