@@ -210,6 +210,52 @@ def test_after_a_failed_call_the_next_call_gets_its_own_answer(servers: list[Ser
     assert status[0]["connected"] is True, status
 
 
+def test_a_refused_handshake_names_every_mismatching_tensor_and_the_servers_next_calls_get_their_own_answers(
+    servers: list[Server], trainer: Trainer, model: Path, tmp_path: Path
+) -> None:
+    engines = [s.engine for s in servers]
+    before = [e.status() for e in engines]
+    # A trainer whose model has 4 more vocabulary rows than the servers' (one rank, every tensor whole).
+    maps, sources = whole_sources(model, grow=4)
+    address = f"tcp://127.0.0.1:{free_port()}"
+    with ThreadPoolExecutor(1 + len(engines)) as pool:
+        bad = pool.submit(
+            TrainerSync.connect,
+            maps,
+            sources,
+            rank=0,
+            world_size=1,
+            address=address,
+            engines=2,
+            token=TOKEN,
+            timeout=SYNC_TIMEOUT,
+        )
+        joins = [pool.submit(e.connect, address, k, TOKEN, SYNC_TIMEOUT) for k, e in enumerate(engines)]
+        with pytest.raises(ShapeMismatchError) as refused:
+            bad.result(SYNC_TIMEOUT * 3)
+        for e, join in zip(engines, joins, strict=True):
+            with pytest.raises(PeerFailedError) as failed:
+                join.result(SYNC_TIMEOUT * 3)
+            for worker in (0, 1):
+                assert f"engine {e.name} worker {worker}: connect failed: HandshakeError" in str(failed.value)
+            for text in (str(refused.value), str(failed.value)):
+                for name in VOCAB_TENSORS:
+                    assert f"'{name}': target (1000, 128), source (1004, 128)" in text, text
+    # Each server's next call gets its own answer (the nonces are checked), its old link untouched.
+    assert [e.status() for e in engines] == before
+    # A second handshake with the right model on the same servers, then a sync: bit for bit.
+    handshake(trainer, engines)
+    pending, receives = step_and_receive(trainer, engines)
+    reports = [r.result(SYNC_TIMEOUT * 3) for r in receives]
+    version = pending.result(SYNC_TIMEOUT * 3)[0]["sync"]["version"]
+    assert all(not w["incomplete"] and w["version"] == version for r in reports for w in r), reports
+    checkpoint = tmp_path / "after_refusal"
+    trainer.live().call(save_checkpoint, str(checkpoint), str(model))
+    synced = [digests(e) for e in engines]
+    apply_checkpoint(engines, str(checkpoint))
+    assert [digests(e) for e in engines] == synced, "a server does not hold exactly the trainer's weights"
+
+
 def test_a_trainer_rank_killed_mid_sync_fails_every_worker_in_time_and_a_restarted_trainer_repairs(
     servers: list[Server], trainer: Trainer, model: Path, tmp_path: Path
 ) -> None:
@@ -271,52 +317,6 @@ def test_a_server_killed_mid_sync_makes_every_trainer_rank_raise_in_time_naming_
     assert servers[0].engine.status()[0]["incomplete"] is True
     assert servers[0].engine.weight_version() == before, "a failed sync must not move the version"
     assert len(servers[0].engine.complete_greedy(DEFAULT_PROMPTS[:1], max_tokens=4)[0]) == 4
-
-
-def test_a_refused_handshake_names_every_mismatching_tensor_and_the_servers_next_calls_get_their_own_answers(
-    servers: list[Server], trainer: Trainer, model: Path, tmp_path: Path
-) -> None:
-    engines = [s.engine for s in servers]
-    before = [e.status() for e in engines]
-    # A trainer whose model has 4 more vocabulary rows than the servers' (one rank, every tensor whole).
-    maps, sources = whole_sources(model, grow=4)
-    address = f"tcp://127.0.0.1:{free_port()}"
-    with ThreadPoolExecutor(1 + len(engines)) as pool:
-        bad = pool.submit(
-            TrainerSync.connect,
-            maps,
-            sources,
-            rank=0,
-            world_size=1,
-            address=address,
-            engines=2,
-            token=TOKEN,
-            timeout=SYNC_TIMEOUT,
-        )
-        joins = [pool.submit(e.connect, address, k, TOKEN, SYNC_TIMEOUT) for k, e in enumerate(engines)]
-        with pytest.raises(ShapeMismatchError) as refused:
-            bad.result(SYNC_TIMEOUT * 3)
-        for e, join in zip(engines, joins, strict=True):
-            with pytest.raises(PeerFailedError) as failed:
-                join.result(SYNC_TIMEOUT * 3)
-            for worker in (0, 1):
-                assert f"engine {e.name} worker {worker}: connect failed: HandshakeError" in str(failed.value)
-            for text in (str(refused.value), str(failed.value)):
-                for name in VOCAB_TENSORS:
-                    assert f"'{name}': target (1000, 128), source (1004, 128)" in text, text
-    # Each server's next call gets its own answer (the nonces are checked), its old link untouched.
-    assert [e.status() for e in engines] == before
-    # A second handshake with the right model on the same servers, then a sync: bit for bit.
-    handshake(trainer, engines)
-    pending, receives = step_and_receive(trainer, engines)
-    reports = [r.result(SYNC_TIMEOUT * 3) for r in receives]
-    version = pending.result(SYNC_TIMEOUT * 3)[0]["sync"]["version"]
-    assert all(not w["incomplete"] and w["version"] == version for r in reports for w in r), reports
-    checkpoint = tmp_path / "after_refusal"
-    trainer.live().call(save_checkpoint, str(checkpoint), str(model))
-    synced = [digests(e) for e in engines]
-    apply_checkpoint(engines, str(checkpoint))
-    assert [digests(e) for e in engines] == synced, "a server does not hold exactly the trainer's weights"
 
 
 def test_a_restarted_server_rejoins_through_a_new_handshake_without_a_trainer_restart(
