@@ -38,6 +38,12 @@ class _SessionStream:
     def close(self, name: str) -> None:
         self.session.mark_written(name)
 
+    def held_bytes(self) -> int:
+        return self.session.held_bytes()
+
+    def adds_bytes(self, name: str) -> int:
+        return self.session.adds_bytes(name)
+
 
 def connect(
     worker: RolloutWorker,

@@ -104,6 +104,7 @@ class LoadedForms:
             self.layers[name] = _Layer(name, module, tuple(prefix + p for p in recorded))
         self.by_param = {p: layer.name for layer in self.layers.values() for p in layer.params}
         self.zero: dict[str, list[tuple[int, int]]] = {}
+        self._bytes: dict[str, int] = {}
         self.open_layers: dict[str, dict[str, torch.Tensor]] = {}
         self.seconds = {"open": 0.0, "rebuild": 0.0}  # since the last ``reset_seconds``
         self.rebuilt = 0
@@ -123,9 +124,13 @@ class LoadedForms:
         return None if param is None else self.by_param.get(param)
 
     def loaded_bytes(self, layer: str) -> int:
-        layerwise = _reload()
-        recorded = layerwise.LAYERWISE_INFO[self.layers[layer].module].restore_metadata[0]
-        return sum(t.numel() * t.element_size() for t in recorded.values())
+        """The memory ``layer``'s loaded form takes while it is open."""
+        size = self._bytes.get(layer)
+        if size is None:
+            layerwise = _reload()
+            recorded = layerwise.LAYERWISE_INFO[self.layers[layer].module].restore_metadata[0]
+            size = self._bytes[layer] = sum(t.numel() * t.element_size() for t in recorded.values())
+        return size
 
     # ---------------------------------------------------------------------------------------- setup
 

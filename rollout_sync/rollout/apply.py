@@ -148,6 +148,10 @@ class TransientLayers(Protocol):
         """Drop every open layer unrebuilt (the engine keeps its old form); the layers dropped."""
         ...
 
+    def loaded_bytes(self, layer: str) -> int:
+        """The memory ``layer``'s loaded form takes while it is open."""
+        ...
+
 
 LoadedHook = Callable[[str, Mapping[str, torch.Tensor]], None]
 
@@ -191,6 +195,19 @@ class UpdateSession:
         self.pending: dict[str, set[str]] = {}  # open layer -> its tensors not yet written
         self.opened: dict[str, Mapping[str, torch.Tensor]] = {}
         self.rebuilt: list[str] = []
+
+    def held_bytes(self) -> int:
+        """The memory the open transient layers' loaded forms take now."""
+        if self.transient is None:
+            return 0
+        return sum(self.transient.loaded_bytes(layer) for layer in self.opened)
+
+    def adds_bytes(self, name: str) -> int:
+        """The memory opening ``name``'s storage would add now: its layer's loaded form unless open."""
+        layer = self.layer_of.get(name)
+        if layer is None or layer in self.opened or self.transient is None:
+            return 0
+        return self.transient.loaded_bytes(layer)
 
     def streamed(self, name: str) -> bool:
         """Whether ``name``'s storage exists only while it is written (a transient layer's)."""

@@ -23,9 +23,11 @@ failed peer may be closed (gloo closes a pair on a timeout): build a new group b
 
 **Streamed targets**: a target given as a meta tensor (its shape and dtype only) exists only while it is
 written, through a ``TargetStream``: ``open(name)`` makes it at its first received byte, ``close(name)``
-follows its last. Its direct messages are posted in plan order with at most ``staging_cap_bytes`` (less
-the staging arena) of them in flight, at least one (each pair's messages keep their order), so targets stream through memory instead of all
-existing at once (a layer's loaded form that vLLM rebuilds into a kernel's form, on the rollout side).
+follows its last. Its direct messages are posted in plan order (each pair's messages keep their order); one
+that would make the stream hold more than ``staging_cap_bytes`` (less the staging arena) first waits for
+earlier ones to land and their targets to close, unless nothing else is in flight. So targets stream through
+memory instead of all existing at once (a layer's loaded form that vLLM rebuilds into a kernel's form, on the
+rollout side).
 
 Staging (pack and unpack slots) lives in one arena per executor, allocated once and reused; its size is at
 most ``staging_cap_bytes``.
@@ -75,6 +77,14 @@ class TargetStream(Protocol):
 
     def close(self, name: str) -> None:
         """Every element of ``name`` this rank receives has landed."""
+        ...
+
+    def held_bytes(self) -> int:
+        """The memory the stream holds now for targets it made and has not released."""
+        ...
+
+    def adds_bytes(self, name: str) -> int:
+        """The memory making target ``name`` would add now (0 when what holds it is already made)."""
         ...
 
 
@@ -390,9 +400,8 @@ class Executor:
             ]
             posted = transport.post(ops)
             if targets.streamed:
-                # the staging arena and the streamed bytes in flight share the cap
-                cap = self.options.staging_cap_bytes - arena.numel() * arena.element_size()
-                in_flight = 0
+                # the staging arena and the memory the stream holds share the cap
+                budget = self.options.staging_cap_bytes - arena.numel() * arena.element_size()
                 # by tensor, then peer: each pair's messages keep their order (NCCL matches by order)
                 for m, parts in sorted(
                     receives, key=lambda e: (e[0].parts[0].segment.tensor, e[0].peer, e[0].round)
@@ -401,13 +410,11 @@ class Executor:
                     if name not in targets.streamed:
                         posted += transport.post([recv(m, parts)])
                         continue
-                    while window and in_flight + m.nbytes > cap:
-                        pending, landed, nbytes = window.popleft()
+                    while window and targets.held_bytes() + targets.adds_bytes(name) > budget:
+                        pending, landed, _ = window.popleft()
                         transport.wait([pending])
-                        in_flight -= nbytes
                         targets.landed(landed)
                     window.append((transport.post([recv(m, parts)])[0], name, m.nbytes))
-                    in_flight += m.nbytes
             clock.add("post", t)
             return posted, window
 
@@ -543,6 +550,14 @@ class _Targets:
             )
         self.made[name] = storage
         return storage
+
+    def held_bytes(self) -> int:
+        return 0 if self.stream is None else self.stream.held_bytes()
+
+    def adds_bytes(self, name: str) -> int:
+        if name in self.made or self.stream is None:
+            return 0
+        return self.stream.adds_bytes(name)
 
     def landed(self, name: str) -> None:
         """One part of ``name`` landed; after its last, the stream closes it."""

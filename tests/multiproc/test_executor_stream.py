@@ -1,8 +1,9 @@
 """Streamed targets over gloo: every target given to the executor as a meta placeholder and made by a
 ``TargetStream`` when its first part arrives (what a rollout worker does for a layer vLLM keeps in another
 form). Random planner plans on 2 and 4 ranks, under several staging caps: every target is opened once and
-closed once, and holds all of its elements (bit for bit against the oracle) when it is closed. A meta
-placeholder without a stream is refused at the agreement."""
+closed once, and holds all of its elements (bit for bit against the oracle) when it is closed. Targets
+reached by direct messages never hold more than the staging cap at once (or one target, when one is larger).
+A meta placeholder without a stream is refused at the agreement."""
 
 from __future__ import annotations
 
@@ -17,6 +18,9 @@ from test_executor_layouts import (
 )
 
 from rollout_sync.errors import PlanMismatchError
+from rollout_sync.layout.box import Box
+from rollout_sync.layout.maps import Piece, RankStorage, TensorMap
+from rollout_sync.planning.planner import plan_model
 from rollout_sync.transport import ExecuteOptions, Executor
 from tests.harness.ranks import run_on_ranks
 
@@ -35,13 +39,26 @@ class _Recorder:
         self.opened: list[str] = []
         self.closed: list[str] = []
         self.incomplete: list[str] = []
+        self.held: dict[str, int] = {}
+        self.peak_held = 0
 
     def open(self, name: str) -> torch.Tensor:
         self.opened.append(name)
-        return self.storages[name]
+        t = self.storages[name]
+        self.held[name] = t.numel() * t.element_size()
+        self.peak_held = max(self.peak_held, sum(self.held.values()))
+        return t
+
+    def held_bytes(self) -> int:
+        return sum(self.held.values())
+
+    def adds_bytes(self, name: str) -> int:
+        t = self.storages[name]
+        return 0 if name in self.held else t.numel() * t.element_size()
 
     def close(self, name: str) -> None:
         self.closed.append(name)
+        self.held.pop(name, None)
         if not bitwise_equal(self.expected[name], self.buffers[name]):
             self.incomplete.append(name)
 
@@ -101,3 +118,35 @@ def _placeholder_without_stream(rank: int, world: int, group) -> str:
 def test_a_placeholder_target_without_a_stream_is_refused_on_every_rank_before_any_byte_moves():
     for message in run_on_ranks(_placeholder_without_stream, 2, timeout=120):
         assert "placeholder and no stream makes it" in message
+
+
+def _whole(name: str, n: int, rank: int) -> TensorMap:
+    return TensorMap(
+        name, (n,), "float32", {rank: RankStorage((n,), (Piece(Box((0,), (n,)), 0, (1,), (rank,)),))}
+    )
+
+
+def _bounded(rank: int, world: int, group, cap: int) -> dict:
+    """Rank 0 sends 24 tensors of 256 KiB, each one direct message, to rank 1, which streams them."""
+    n = 1 << 16
+    names = [f"t{i:02d}" for i in range(24)]
+    plan = plan_model([_whole(x, n, 0) for x in names], [_whole(x, n, 1) for x in names])
+    half = plan.half(rank)
+    executor = Executor(group, ExecuteOptions(staging_cap_bytes=cap, timeout=30))
+    if rank == 0:
+        sources = {x: torch.full((n,), float(i)) for i, x in enumerate(names)}
+        executor.execute(half, sources, {})
+        return {}
+    storages = {x: torch.full((n,), float("nan")) for x in names}
+    expected = {x: torch.full((n,), float(i)) for i, x in enumerate(names)}
+    stream = _Recorder(storages, storages, expected)
+    executor.execute(half, {}, {x: torch.empty((n,), device="meta") for x in names}, stream=stream)
+    return {"peak": stream.peak_held, "incomplete": stream.incomplete, "closed": len(stream.closed)}
+
+
+@pytest.mark.parametrize("tensors_in_cap", [1, 3])
+def test_streamed_direct_messages_hold_at_most_the_cap_or_one_target(tensors_in_cap: int):
+    size = (1 << 16) * 4
+    _, got = run_on_ranks(_bounded, 2, tensors_in_cap * size, timeout=120)
+    assert got["incomplete"] == [] and got["closed"] == 24
+    assert got["peak"] == tensors_in_cap * size, got  # never more, and the window is used

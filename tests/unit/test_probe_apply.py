@@ -150,6 +150,9 @@ class _Layers:
         self.events.append("discard")
         return []
 
+    def loaded_bytes(self, layer: str) -> int:
+        return 64
+
 
 def _transient_session(layers: _Layers, seen: list):
     views = {
@@ -177,14 +180,16 @@ def test_a_transient_layer_is_made_at_its_first_tensor_and_rebuilt_after_its_las
     assert session.streamed("q") and session.streamed("k") and not session.streamed("norm")
     placeholder = session.placeholder("q")
     assert placeholder.is_meta and placeholder.shape == (2, 4) and placeholder.dtype == torch.float32
+    assert session.held_bytes() == 0 and session.adds_bytes("q") == 64 and session.adds_bytes("norm") == 0
     session.storage("q").fill_(1)
+    assert session.held_bytes() == 64 and session.adds_bytes("k") == 0  # k's layer is open already
     session.mark_written("q")
     assert layers.events == ["open attn.qkv"]  # k has not arrived: the layer stays open
     session.storage("k").fill_(2)
     session.storage("norm").fill_(5)
     session.mark_written("norm")
     session.mark_written("k")
-    assert layers.events == ["open attn.qkv", "close attn.qkv"]
+    assert layers.events == ["open attn.qkv", "close attn.qkv"] and session.held_bytes() == 0
     ((layer, loaded),) = seen
     assert layer == "attn.qkv" and loaded[:2].eq(1).all() and loaded[2:].eq(2).all()
     assert session.finish() == ["loaded form of attn.qkv"]
