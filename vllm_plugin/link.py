@@ -44,6 +44,9 @@ class _SessionStream:
     def adds_bytes(self, name: str) -> int:
         return self.session.adds_bytes(name)
 
+    def reserve_bytes(self) -> int:
+        return self.session.reserve_bytes()
+
 
 def connect(
     worker: RolloutWorker,

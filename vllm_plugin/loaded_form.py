@@ -173,15 +173,17 @@ class LoadedForms:
                 del self.layers[name]
         self.by_param = {p: layer.name for layer in self.layers.values() for p in layer.params}
         all_views = list(views.values())
+        from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
+
         for layer in self.layers.values():
             quant_method = getattr(layer.module, "quant_method", None)
-            if quant_method is None:
+            if not isinstance(quant_method, QuantizeMethodBase):
                 raise UnsupportedLayoutError(
-                    "a layer kept in another form than its loaded form has no quant_method whose "
+                    "a layer kept in another form than its loaded form has no quant method whose "
                     "process_weights_after_loading could rebuild it",
                     tensor=layer.name,
-                    expected="a layer with a quant_method",
-                    found=self.reasons.get(layer.name),
+                    expected="a layer with a vLLM quant method",
+                    found=f"quant_method {type(quant_method).__name__}; {self.reasons.get(layer.name)}",
                 )
             recorded = layerwise.LAYERWISE_INFO[layer.module].restore_metadata[0]
             for pname, meta in zip(layer.params, recorded.values(), strict=True):

@@ -209,6 +209,13 @@ class UpdateSession:
             return 0
         return self.transient.loaded_bytes(layer)
 
+    def reserve_bytes(self) -> int:
+        """Memory a rebuild may allocate beside the open loaded forms: the largest loaded form (a kernel's
+        form made from it is taken to be no larger)."""
+        if self.transient is None:
+            return 0
+        return max((self.transient.loaded_bytes(layer) for layer in self.layer_tensors), default=0)
+
     def streamed(self, name: str) -> bool:
         """Whether ``name``'s storage exists only while it is written (a transient layer's)."""
         return name in self.layer_of

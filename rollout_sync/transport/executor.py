@@ -24,8 +24,9 @@ failed peer may be closed (gloo closes a pair on a timeout): build a new group b
 **Streamed targets**: a target given as a meta tensor (its shape and dtype only) exists only while it is
 written, through a ``TargetStream``: ``open(name)`` makes it at its first received byte, ``close(name)``
 follows its last. Its direct messages are posted in plan order (each pair's messages keep their order); one
-that would make the stream hold more than ``staging_cap_bytes`` (less the staging arena) first waits for
-earlier ones to land and their targets to close, unless nothing else is in flight. So targets stream through
+that would make the stream hold more than ``staging_cap_bytes`` (less the staging arena and the stream's
+reserve: what closing a target may allocate) first waits for earlier ones to land and their targets to
+close, unless nothing else is in flight. So targets stream through
 memory instead of all existing at once (a layer's loaded form that vLLM rebuilds into a kernel's form, on the
 rollout side).
 
@@ -85,6 +86,10 @@ class TargetStream(Protocol):
 
     def adds_bytes(self, name: str) -> int:
         """The memory making target ``name`` would add now (0 when what holds it is already made)."""
+        ...
+
+    def reserve_bytes(self) -> int:
+        """Memory to leave free beside what the stream holds (what closing a target may allocate)."""
         ...
 
 
@@ -400,8 +405,13 @@ class Executor:
             ]
             posted = transport.post(ops)
             if targets.streamed:
-                # the staging arena and the memory the stream holds share the cap
-                budget = self.options.staging_cap_bytes - arena.numel() * arena.element_size()
+                # the staging arena, the memory the stream holds and what closing a target may allocate
+                # share the cap
+                budget = (
+                    self.options.staging_cap_bytes
+                    - arena.numel() * arena.element_size()
+                    - targets.reserve_bytes()
+                )
                 # by tensor, then peer: each pair's messages keep their order (NCCL matches by order)
                 for m, parts in sorted(
                     receives, key=lambda e: (e[0].parts[0].segment.tensor, e[0].peer, e[0].round)
@@ -558,6 +568,9 @@ class _Targets:
         if name in self.made or self.stream is None:
             return 0
         return self.stream.adds_bytes(name)
+
+    def reserve_bytes(self) -> int:
+        return 0 if self.stream is None else self.stream.reserve_bytes()
 
     def landed(self, name: str) -> None:
         """One part of ``name`` landed; after its last, the stream closes it."""

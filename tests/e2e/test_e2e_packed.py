@@ -10,7 +10,8 @@ Setup probes the packed layers' loaded form: the maps equal the pure builders'. 
 trainer's own checkpoint (DeepSpeed's gathers, not our maps' sources) writes, before vLLM processes it; the
 layers are rebuilt (weights empty again, tokens as after the checkpoint write). After the last step: greedy
 tokens and every raw logit of every vocabulary entry equal a fresh engine started from the trainer's
-checkpoint and packed the same way. A partial write of a packed layer is refused and leaves it as it was.
+checkpoint and packed the same way. A partial write of a packed layer is refused and leaves it as it was; a
+packed layer nothing can rebuild is refused at setup.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from rollout_sync.errors import IncompleteUpdateError
+from rollout_sync.errors import IncompleteUpdateError, PeerFailedError
 from rollout_sync.testing.deepspeed import DeepSpeedSpec
 from tests.e2e.e2e_steps import check_steps, run_sync_steps
 from tests.harness.vllm_engines import LOGITS_KWARGS, shared_spec
@@ -69,6 +70,12 @@ def test_zero3_syncs_into_packed_linear_layers_through_their_loaded_form(
         assert all("model.layers.0.self_attn.qkv_proj" in r["error"] for r in replies), replies
         after_refusal = engine.generate_greedy()
         assert engine.collective_rpc("rs_harness_packs")[0]["empty_weight"] == packs["linears"]
+        # A packed layer nothing can rebuild (no quant method) is refused at setup, named, with the reason.
+        engine.collective_rpc("rs_harness_drop_quant_method", args=("model.layers.1.mlp.down_proj",))
+        with pytest.raises(
+            PeerFailedError, match=r"UnsupportedLayoutError.*model\.layers\.1\.mlp\.down_proj.*quant"
+        ):
+            setup_engines([engine], first_rank=2)
     finally:
         vllm_pool.discard(engine)
 

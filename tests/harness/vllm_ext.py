@@ -70,6 +70,10 @@ class TestWorkerExtension(RolloutSyncExtension):
         step now, as vLLM does at load; returns how many layers it packed."""
         return pack_linears(self.model_runner.model)
 
+    def rs_harness_drop_quant_method(self, layer: str) -> None:
+        """Take away a layer's quant method (nothing can then rebuild a packed layer)."""
+        self.model_runner.model.get_submodule(layer).quant_method = None
+
     def rs_rollout_test_scale_loader(self, param_name: str, factor: float) -> None:
         from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 
