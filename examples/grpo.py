@@ -114,16 +114,6 @@ def engine_env(tp: int) -> None:
     os.environ["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [os.environ.get("PYTHONPATH")])])
 
 
-def digests(llm: Any) -> list[dict[str, str]]:
-    """Per worker, the SHA-256 of every parameter and of the loaded form the last update wrote into each
-    layer that vLLM keeps packed (its weight is empty: the loaded form is what a sync writes)."""
-    params = llm.collective_rpc("rollout_sync_param_digests")
-    loaded = llm.collective_rpc("rollout_sync_loaded_digests")
-    return [
-        {**p, **{f"{n} (loaded form)": d for n, d in w.items()}} for p, w in zip(params, loaded, strict=True)
-    ]
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     os.environ["DS_ACCELERATOR"] = "cpu"
@@ -136,7 +126,13 @@ def main(argv: list[str] | None = None) -> int:
     from rollout_sync.testing.rank_pool import RankPool, free_port
     from rollout_sync.testing.tiny_models import make_tiny_model
     from rollout_sync.testing.trainer_ranks import attach, setup
-    from vllm_plugin.driver import apply_checkpoint, connect_engine, receive_sync, setup_engines
+    from vllm_plugin.driver import (
+        apply_checkpoint,
+        connect_engine,
+        receive_sync,
+        setup_engines,
+        weight_digests,
+    )
 
     kind = "moe" if args.autoep > 1 else "dense"
     work = Path(args.workdir)
@@ -215,9 +211,9 @@ def main(argv: list[str] | None = None) -> int:
             if args.verify:
                 ckpt = work / "verify" / f"step{step}"
                 pool.call(save_weights, str(ckpt), str(model))
-                before = digests(llm)
+                before = weight_digests(llm)
                 apply_checkpoint([llm], str(ckpt))
-                after = digests(llm)
+                after = weight_digests(llm)
                 changed = sum(b[n] != a[n] for b, a in zip(before, after, strict=True) for n in b)
                 row["verified"] = changed == 0
                 row["params_differing"] = changed

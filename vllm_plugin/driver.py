@@ -19,7 +19,14 @@ from rollout_sync.rollout.targets import RolloutTargets, assemble
 
 from .calls import call
 
-__all__ = ["apply_checkpoint", "connect_engine", "engine_status", "receive_sync", "setup_engines"]
+__all__ = [
+    "apply_checkpoint",
+    "connect_engine",
+    "engine_status",
+    "receive_sync",
+    "setup_engines",
+    "weight_digests",
+]
 
 
 def setup_engines(
@@ -81,6 +88,17 @@ def connect_engine(
     if staging_cap_bytes is not None:
         kwargs["staging_cap_bytes"] = staging_cap_bytes
     return list(call(engine, "connect", kwargs=kwargs, name=str(index)))
+
+
+def weight_digests(engine: Any, name: str = "0") -> list[dict[str, str]]:
+    """Per worker, the SHA-256 of every parameter and, under ``"<name> (loaded form)"``, of the loaded form
+    the last recorded update wrote into each layer vLLM keeps in another form (its weight is empty: the
+    loaded form is what a sync writes; ``rollout_sync_record_loaded``)."""
+    params = call(engine, "param_digests", name=name)
+    loaded = call(engine, "loaded_digests", name=name)
+    return [
+        {**p, **{f"{n} (loaded form)": d for n, d in w.items()}} for p, w in zip(params, loaded, strict=True)
+    ]
 
 
 def engine_status(engine: Any, name: str = "0") -> list[dict[str, Any]]:

@@ -319,13 +319,9 @@ def _log(msg: str) -> None:
 
 
 def _digests(llm: Any) -> list[dict[str, str]]:
-    """Per worker: every parameter's digest, and the loaded form's as the last recorded update wrote it
-    for each layer kept in another form (``rollout_sync_record_loaded``)."""
-    params = llm.collective_rpc("rollout_sync_param_digests")
-    loaded = llm.collective_rpc("rollout_sync_loaded_digests")
-    return [
-        {**p, **{f"{n} (loaded form)": d for n, d in w.items()}} for p, w in zip(params, loaded, strict=True)
-    ]
+    from vllm_plugin.driver import weight_digests
+
+    return weight_digests(llm)
 
 
 def _logits(llm: Any) -> str:

@@ -11,6 +11,7 @@ import torch
 from rollout_sync.layout.box import Box, row_major_strides
 from rollout_sync.layout.maps import Piece, RankStorage, TensorMap
 from rollout_sync.rollout.checkpoint import read_tensors
+from rollout_sync.sync.trainer import TrainerSync
 
 #: The tensors whose rows are the vocabulary (``grow`` adds rows to them).
 VOCAB_TENSORS = ("lm_head.weight", "model.embed_tokens.weight")
@@ -32,3 +33,14 @@ def whole_sources(
         maps.append(TensorMap(name, shape, dtype, {0: RankStorage(shape, (piece,))}))
         sources[name] = t
     return maps, sources
+
+
+def connect_whole_trainer(
+    checkpoint: Path, address: str, *, engines: int, token: str, timeout: float, grow: int = 0
+) -> TrainerSync:
+    """Join (and coordinate) a handshake at ``address`` as the only trainer rank, holding ``checkpoint``
+    whole (``whole_sources``); blocks until every engine has joined, or raises the coordinator's refusal."""
+    maps, sources = whole_sources(checkpoint, grow)
+    return TrainerSync.connect(
+        maps, sources, rank=0, world_size=1, address=address, engines=engines, token=token, timeout=timeout
+    )

@@ -26,13 +26,12 @@ from typing import Any
 import pytest
 
 from rollout_sync.errors import PeerFailedError, ShapeMismatchError, SyncTimeoutError
-from rollout_sync.sync.trainer import TrainerSync
 from rollout_sync.testing.deepspeed import DeepSpeedSpec
 from rollout_sync.testing.rank_pool import RankContext, RankError, RankPool, free_port
 from rollout_sync.testing.trainer_ranks import attach, setup, train_step
 from tests.e2e.e2e_steps import TRAINER_ENV, save_checkpoint
 from tests.harness.vllm_engines import DEFAULT_PROMPTS
-from tests.harness.whole_trainer import VOCAB_TENSORS, whole_sources
+from tests.harness.whole_trainer import VOCAB_TENSORS, connect_whole_trainer
 from tests.serve.servers import WEIGHT_TRANSFER, Server, launch, wait_all
 from vllm_plugin.driver import apply_checkpoint, setup_engines
 from vllm_plugin.http_driver import ServerEngine, check_answers
@@ -216,19 +215,10 @@ def test_a_refused_handshake_names_every_mismatching_tensor_and_the_servers_next
     engines = [s.engine for s in servers]
     before = [e.status() for e in engines]
     # A trainer whose model has 4 more vocabulary rows than the servers' (one rank, every tensor whole).
-    maps, sources = whole_sources(model, grow=4)
     address = f"tcp://127.0.0.1:{free_port()}"
     with ThreadPoolExecutor(1 + len(engines)) as pool:
         bad = pool.submit(
-            TrainerSync.connect,
-            maps,
-            sources,
-            rank=0,
-            world_size=1,
-            address=address,
-            engines=2,
-            token=TOKEN,
-            timeout=SYNC_TIMEOUT,
+            connect_whole_trainer, model, address, engines=2, token=TOKEN, timeout=SYNC_TIMEOUT, grow=4
         )
         joins = [pool.submit(e.connect, address, k, TOKEN, SYNC_TIMEOUT) for k, e in enumerate(engines)]
         with pytest.raises(ShapeMismatchError) as refused:

@@ -20,7 +20,7 @@ from rollout_sync.errors import PeerFailedError, ShapeMismatchError
 from rollout_sync.sync.trainer import TrainerSync
 from rollout_sync.testing.rank_pool import free_port
 from tests.harness.vllm_engines import shared_spec
-from tests.harness.whole_trainer import VOCAB_TENSORS, whole_sources
+from tests.harness.whole_trainer import VOCAB_TENSORS, connect_whole_trainer
 from tests.vllm.rollout_checks import snapshot
 from vllm_plugin.driver import apply_checkpoint, connect_engine, engine_status, receive_sync, setup_engines
 
@@ -31,19 +31,10 @@ TOKEN = "calls-token"
 
 def handshake(engine: Any, checkpoint: Path, grow: int = 0) -> tuple[Any, Any]:
     """(the trainer's outcome, the engine's outcome): each a TrainerSync / worker statuses or an error."""
-    maps, sources = whole_sources(checkpoint, grow)
     address = f"tcp://127.0.0.1:{free_port()}"
     with ThreadPoolExecutor(2) as pool:
         trainer = pool.submit(
-            TrainerSync.connect,
-            maps,
-            sources,
-            rank=0,
-            world_size=1,
-            address=address,
-            engines=1,
-            token=TOKEN,
-            timeout=60,
+            connect_whole_trainer, checkpoint, address, engines=1, token=TOKEN, timeout=60, grow=grow
         )
         rollout = pool.submit(connect_engine, engine, address, 0, token=TOKEN, timeout=60)
         outcomes = []
