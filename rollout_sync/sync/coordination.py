@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import secrets
 from collections import OrderedDict, defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -143,6 +144,7 @@ def coordinate(
             for p in peers
         ]
         common = {
+            "group_id": secrets.token_hex(8),  # names this group in ranks' in-process mailboxes
             "roster": encode_roster(roster),
             "world_size": world,
             "trainer_ranks": coord.trainer_world,

@@ -24,8 +24,9 @@ from ..planning.wire import decode_half
 from ..transport import ExecuteOptions, Executor, SyncStats
 from ..transport.executor import TargetStream
 from ..transport.groups import connect_store, new_group
+from ..transport.in_process import InProcess
 from .commit import commit
-from .roster import RosterEntry, blame, decode_roster, this_process
+from .roster import RosterEntry, blame, decode_roster, in_process_peers, this_process
 
 TOKEN_ENV = "ROLLOUT_SYNC_TOKEN"
 
@@ -59,6 +60,7 @@ class Endpoint:
         options: ExecuteOptions,
         device: Any = "cpu",
         roster: Mapping[int, RosterEntry] | None = None,
+        group_id: str = "",
     ) -> None:
         self.rank = rank
         self.roster = dict(roster or {})
@@ -69,7 +71,9 @@ class Endpoint:
         self.half = half
         self.options = options
         self.device = device
-        self.executor = Executor(group, options)
+        self.in_process = in_process_peers(rank, self.roster)
+        self.local = InProcess(group_id, rank, self.in_process) if self.in_process else None
+        self.executor = Executor(group, options, self.local)
 
     @classmethod
     def join(
@@ -126,6 +130,7 @@ class Endpoint:
             options=options or ExecuteOptions(timeout=timeout),
             device=device,
             roster=decode_roster(f.get("roster")),
+            group_id=str(f.get("group_id", "")),
         )
 
     def close(self) -> None:
@@ -142,6 +147,8 @@ class Endpoint:
         if self.closed:
             return
         self.closed = True
+        if self.local is not None:
+            self.local.leave("its endpoint closed")
         group, self.group = self.group, None
         self.executor = None  # type: ignore[assignment]
         # NCCL: abort (a shutdown may wait on a dead peer); gloo: shutdown (both return at once there).

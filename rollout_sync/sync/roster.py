@@ -18,7 +18,15 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["RosterEntry", "blame", "decode_roster", "encode_roster", "process_gone", "this_process"]
+__all__ = [
+    "RosterEntry",
+    "blame",
+    "decode_roster",
+    "encode_roster",
+    "in_process_peers",
+    "process_gone",
+    "this_process",
+]
 
 
 @dataclass(frozen=True)
@@ -43,6 +51,15 @@ class RosterEntry:
 def this_process() -> dict[str, Any]:
     """The hello fields that let the coordinator name this process in a roster."""
     return {"host": socket.gethostname(), "pid": os.getpid()}
+
+
+def in_process_peers(rank: int, roster: Mapping[int, RosterEntry]) -> frozenset[int]:
+    """The other ranks of the roster that run in this very process (a trainer rank and a vLLM worker of
+    TRL's colocate mode): their messages are in-process copies."""
+    me = this_process()
+    return frozenset(
+        r for r, e in roster.items() if r != rank and e.host == me["host"] and e.pid == me["pid"]
+    )
 
 
 def encode_roster(entries: Sequence[RosterEntry]) -> list[list[Any]]:

@@ -49,6 +49,7 @@ from ..planning.plan import PlanHalf
 from . import agreement
 from .fingerprint import pair_sums, table_hash
 from .groups import group_backend, group_rank, group_size
+from .in_process import InProcess
 from .local_check import check_storages
 from .p2p import Op, Pending, transport_for
 from .schedule import (
@@ -187,8 +188,11 @@ class Executor:
     ``torch.distributed.group.WORLD``); its ranks are the global ranks of the plans.
     """
 
-    def __init__(self, group: Any, options: ExecuteOptions | None = None) -> None:
+    def __init__(
+        self, group: Any, options: ExecuteOptions | None = None, local: InProcess | None = None
+    ) -> None:
         self.group = group
+        self.local = local  # ranks of this group in this process: their messages are in-process copies
         self.options = options or ExecuteOptions()
         self.rank = group_rank(group)
         self.world = group_size(group)
@@ -362,7 +366,9 @@ class Executor:
         clock: _Clock,
     ) -> None:
         schedule = program.schedule
-        transport = transport_for(self.group, self.backend, self.rank, self.options.timeout, device)
+        transport = transport_for(
+            self.group, self.backend, self.rank, self.options.timeout, device, self.local
+        )
         coalesced = self.backend == "nccl"
         depth = schedule.depth
         rounds = schedule.rounds

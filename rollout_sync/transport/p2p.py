@@ -24,6 +24,7 @@ import torch
 from torch.distributed import ProcessGroup
 
 from ..errors import PeerFailedError, SyncTimeoutError
+from .in_process import InProcess
 
 __all__ = ["Pending", "Transport", "transport_for"]
 
@@ -54,17 +55,31 @@ def _is_timeout(text: str) -> bool:
 
 
 class Transport:
-    """Individually posted messages (gloo and any backend without coalescing)."""
+    """Individually posted messages (gloo and any backend without coalescing). Messages to a peer in this
+    process (``local``) are copied through the in-process mailbox instead."""
 
-    def __init__(self, group: Any, rank: int, timeout: float, device: torch.device) -> None:
+    def __init__(
+        self, group: Any, rank: int, timeout: float, device: torch.device, local: InProcess | None = None
+    ) -> None:
         self.group = group
         self.rank = rank
         self.timeout = timeout
         self.device = device
+        self.local = local
+
+    def is_local(self, op: Op) -> bool:
+        return self.local is not None and op.peer in self.local.peers
+
+    def post_local(self, op: Op) -> Pending:
+        assert self.local is not None
+        return Pending(self.local.post(op.kind, op.tensor, op.peer, op.tag), op.peer, op.kind, op.label)
 
     def post(self, ops: Sequence[Op]) -> list[Pending]:
         pending = []
         for op in ops:
+            if self.is_local(op):
+                pending.append(self.post_local(op))
+                continue
             try:
                 if op.kind == "send":
                     work = self.group.send([op.tensor], op.peer, op.tag)
@@ -101,8 +116,10 @@ class CoalescedTransport(Transport):
     """NCCL: one group start/end per posted batch (a round); all its messages share one work."""
 
     def post(self, ops: Sequence[Op]) -> list[Pending]:
+        local = [self.post_local(op) for op in ops if self.is_local(op)]
+        ops = [op for op in ops if not self.is_local(op)]
         if not ops:
-            return []
+            return local
         # A ProcessGroup (torch.distributed's WORLD) takes the device; a backend object built directly
         # (ProcessGroupNCCL over a store) takes none.
         args = (self.device,) if isinstance(self.group, ProcessGroup) else ()
@@ -119,10 +136,17 @@ class CoalescedTransport(Transport):
             raise PeerFailedError(
                 f"rank {self.rank}: posting {ops[0].label} with ranks {peers} failed: {e}"
             ) from e
-        return [Pending(work, op.peer, op.kind, op.label) for op in ops]
+        return local + [Pending(work, op.peer, op.kind, op.label) for op in ops]
 
 
-def transport_for(group: Any, backend: str, rank: int, timeout: float, device: torch.device) -> Transport:
+def transport_for(
+    group: Any,
+    backend: str,
+    rank: int,
+    timeout: float,
+    device: torch.device,
+    local: InProcess | None = None,
+) -> Transport:
     if backend == "nccl":
-        return CoalescedTransport(group, rank, timeout, device)
-    return Transport(group, rank, timeout, device)
+        return CoalescedTransport(group, rank, timeout, device, local)
+    return Transport(group, rank, timeout, device, local)

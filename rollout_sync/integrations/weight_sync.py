@@ -1,0 +1,185 @@
+"""One sync group between a DeepSpeed engine's training processes and the vLLM engines they feed.
+
+``WeightSync.attach(engine)`` (every training process, collectively) picks the coordinator's address and a
+token on process 0 and shares them over the training job's own process group, learns the vLLM side's
+target maps, then joins: the trainer rank through ``TrainerSync.attach`` (no step hook: the framework
+decides when to sync) and the vLLM side through its ``RolloutSide``, both at once. ``sync()`` then moves
+the weights: each trainer rank sends its half while the rollout side receives, and returns once every rank
+of the group has committed.
+
+Refused before any byte moves, naming what was found: a model that is not a DeepSpeed engine (FSDP, DDP,
+a bare module), a PEFT model (its adapters are not merged into the weights vLLM serves).
+"""
+
+from __future__ import annotations
+
+import secrets
+import socket
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+from ..errors import UnsupportedLayoutError
+from ..sync.endpoint import SyncResult
+from ..transport import DEFAULT_STAGING_CAP_BYTES
+from .rollout_side import RolloutSide
+
+__all__ = ["WeightSync", "check_trainer"]
+
+
+def check_trainer(engine: Any, *, distributed_type: str = "DEEPSPEED", peft: bool = False) -> None:
+    """Refuse what the integration does not handle, naming it (pure: no process group)."""
+    if peft:
+        raise UnsupportedLayoutError(
+            "rollout-sync does not sync PEFT/LoRA models yet: vLLM serves the merged weights, which no "
+            "DeepSpeed rank stores (found a PEFT model)"
+        )
+    if str(distributed_type).upper().removeprefix("DISTRIBUTEDTYPE.") != "DEEPSPEED":
+        raise UnsupportedLayoutError(
+            f"rollout-sync syncs from DeepSpeed engines (ZeRO 0-3, AutoTP, AutoEP); found distributed type "
+            f"{distributed_type!s} (FSDP and DDP are not supported yet)"
+        )
+    if engine is None or not hasattr(engine, "zero_optimization_stage"):
+        raise UnsupportedLayoutError(
+            f"rollout-sync needs the DeepSpeed engine the model trains in; found {type(engine).__name__}"
+        )
+
+
+def _free_port(host: str) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+class WeightSync:
+    """A DeepSpeed engine's training processes and the vLLM engines of ``rollout``, in one sync group.
+
+    ``host``: where training process 0 serves the coordinator (the vLLM workers connect to it; loopback by
+    default: same machine). ``state``: ``param`` (the weights the model trains, as TRL syncs them) or
+    ``fp32`` (ZeRO's master weights)."""
+
+    def __init__(
+        self,
+        rollout: RolloutSide | None = None,
+        *,
+        host: str = "127.0.0.1",
+        port: int | None = None,
+        token: str | None = None,
+        timeout: float = 300.0,
+        staging_cap_bytes: int = DEFAULT_STAGING_CAP_BYTES,
+        state: str = "param",
+    ) -> None:
+        self.rollout = rollout
+        self.host = host
+        self.port = port
+        self.token = token
+        self.timeout = timeout
+        self.staging_cap_bytes = staging_cap_bytes
+        self.state = state
+        self.engine: Any = None
+        self.trainer: Any = None  # rollout_sync.sync.trainer.TrainerSync
+        self.setup: dict[str, Any] = {}
+        self.history: list[SyncResult] = []
+        self.after_sync: list[Callable[[WeightSync], None]] = []
+
+    @property
+    def attached(self) -> bool:
+        return self.trainer is not None
+
+    def attach(self, engine: Any, rollout: RolloutSide | None = None) -> None:
+        """Join the sync group (collective over the training processes, which must all call it). A failure
+        to learn the vLLM side's maps on any process (a layout vLLM's loaders do not reveal, a server
+        without the extension) is raised on every process, naming it, before anyone joins."""
+        import torch.distributed as dist
+
+        from ..sync.trainer import TrainerSync
+
+        if rollout is not None:
+            self.rollout = rollout
+        if self.rollout is None:
+            raise ValueError("no rollout side: pass the vLLM engines' RolloutSide")
+        started = time.perf_counter()
+        rank, world = dist.get_rank(), dist.get_world_size()
+        meeting: list[Any] = [None, None]
+        if rank == 0:
+            meeting = [self.port or _free_port(self.host), self.token or secrets.token_hex(16)]
+        dist.broadcast_object_list(meeting, src=0)
+        port, token = int(meeting[0]), str(meeting[1])
+        address = f"tcp://{self.host}:{port}"
+        probe_started = time.perf_counter()
+        failure = ""
+        rollout_setup: dict[str, Any] = {}
+        try:
+            rollout_setup = self.rollout.prepare(world)
+        except Exception as exc:
+            failure = f"{type(exc).__name__}: {exc}"
+        failures: list[Any] = [None] * world
+        dist.all_gather_object(failures, failure)
+        bad = [(r, f) for r, f in enumerate(failures) if f]
+        if bad:
+            raise UnsupportedLayoutError(
+                "the vLLM side cannot take part in the sync: "
+                + "; ".join(f"training process {r}: {f}" for r, f in bad)
+            )
+        probe_s = time.perf_counter() - probe_started
+        joining = self.rollout.connect(address, token, self.timeout, self.staging_cap_bytes)
+        try:
+            self.trainer = TrainerSync.attach(
+                engine,
+                address=address,
+                engines=self.rollout.engines,
+                token=token,
+                every=None,
+                staging_cap_bytes=self.staging_cap_bytes,
+                timeout=self.timeout,
+                state=self.state,
+            )
+        finally:
+            if joining is not None:
+                joining.join(self.timeout + 30.0)
+        self.engine = engine
+        self.setup = {
+            "attach_s": round(time.perf_counter() - started, 3),
+            "rollout_setup_s": round(probe_s, 3),
+            "engines": self.rollout.engines,
+            **{k: v for k, v in rollout_setup.items() if k in ("probe_seconds", "engine_tensors")},
+        }
+
+    def sync(self, version: int | None = None) -> SyncResult:
+        """Move the trainer's current weights into every engine (collective over the training processes)."""
+        if self.trainer is None or self.rollout is None:
+            raise RuntimeError("attach(engine) first")
+        receiving = self.rollout.receive(self.timeout)
+        try:
+            result = self.trainer.sync(version)
+        finally:
+            if receiving is not None:
+                receiving.join(self.timeout + 30.0)
+        self.history.append(result)
+        for hook in self.after_sync:
+            hook(self)
+        return result
+
+    def in_process_bytes(self, result: SyncResult) -> int:
+        """Bytes this rank sent to ranks in its own process (in-process copies, no process group)."""
+        local = self.trainer.endpoint.in_process if self.trainer is not None else frozenset()
+        return sum(n for peer, n in result.stats.bytes_sent.items() if peer in local)
+
+    def summary(self) -> dict[str, Any]:
+        """Per-process figures: syncs, their seconds (median, each), bytes sent, of which in-process."""
+        seconds = [r.seconds for r in self.history]
+        return {
+            **self.setup,
+            "syncs": len(self.history),
+            "sync_s_median": round(statistics.median(seconds), 4) if seconds else None,
+            "sync_s": [round(s, 4) for s in seconds],
+            "bytes_sent": sum(sum(r.stats.bytes_sent.values()) for r in self.history[-1:]),
+            "in_process_bytes": sum(self.in_process_bytes(r) for r in self.history[-1:]),
+            "version": self.history[-1].version if self.history else None,
+        }
+
+    def detach(self) -> None:
+        if self.trainer is not None:
+            self.trainer.detach()
+            self.trainer = None

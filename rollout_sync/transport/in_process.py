@@ -1,0 +1,109 @@
+"""Messages between two ranks of one sync group that live in the same process: a plain copy.
+
+A trainer process that also holds a vLLM worker (TRL's colocate mode) is two ranks of the group, each run by
+its own thread. Their messages to each other never touch the process group: the first side to post a
+message leaves it in a process-wide mailbox, the second side's post finds it and copies the sender's bytes
+straight into the receiver's buffer (one copy; ``copy_`` also crosses devices). The plan and the schedule
+are the same as over the wire; both ends post the same messages in the same order.
+
+Every wait is bounded like a wire wait (``timedelta`` in, ``False`` or a raised ``RuntimeError`` naming a
+timeout out, which ``p2p.Transport`` turns into ``SyncTimeoutError``). A rank that leaves its group
+(``InProcess.leave``) fails every message a peer in this process still waits for from it at once.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+
+__all__ = ["InProcess", "MailboxWork"]
+
+_lock = threading.Lock()
+# (group id, source rank, destination rank, tag) -> posts not yet matched, oldest first
+_boxes: dict[tuple[str, int, int, int], deque[_Post]] = {}
+_left: dict[tuple[str, int], str] = {}  # (group id, rank) -> why that rank left its group
+
+
+@dataclass(eq=False)
+class _Post:
+    kind: str  # "send" or "recv"
+    tensor: torch.Tensor
+    done: threading.Event = field(default_factory=threading.Event)
+    error: str | None = None
+
+
+class MailboxWork:
+    """The work of one in-process message (the shape of a process group's work: ``wait``)."""
+
+    def __init__(self, post: _Post) -> None:
+        self.post = post
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        seconds = None if timeout is None else timeout.total_seconds()
+        if not self.post.done.wait(seconds):
+            raise RuntimeError(f"in-process message timed out after {seconds:g} s")
+        if self.post.error is not None:
+            raise RuntimeError(self.post.error)
+        return True
+
+
+def _copy(send: _Post, recv: _Post) -> None:
+    src, dst = send.tensor, recv.tensor
+    if src.numel() * src.element_size() != dst.numel() * dst.element_size():
+        error = (
+            f"in-process message sizes differ: {src.numel() * src.element_size()} bytes sent, "
+            f"{dst.numel() * dst.element_size()} bytes expected"
+        )
+        send.error = recv.error = error
+    elif src.dtype == dst.dtype:
+        dst.view(-1).copy_(src.reshape(-1))
+    else:
+        dst.reshape(-1).view(torch.uint8).copy_(src.reshape(-1).view(torch.uint8))
+    send.done.set()
+    recv.done.set()
+
+
+class InProcess:
+    """The in-process side of one rank's transport: ``peers`` are the ranks of group ``group_id`` that run
+    in this process (each on its own thread)."""
+
+    def __init__(self, group_id: str, rank: int, peers: frozenset[int]) -> None:
+        self.group_id = group_id
+        self.rank = rank
+        self.peers = peers
+
+    def post(self, kind: str, tensor: torch.Tensor, peer: int, tag: int) -> MailboxWork:
+        src, dst = (self.rank, peer) if kind == "send" else (peer, self.rank)
+        key = (self.group_id, src, dst, tag)
+        mine = _Post(kind, tensor)
+        with _lock:
+            gone = _left.get((self.group_id, peer))
+            if gone is not None:
+                mine.error = gone
+                mine.done.set()
+                return MailboxWork(mine)
+            queue = _boxes.setdefault(key, deque())
+            if queue and queue[0].kind != kind:
+                other = queue.popleft()
+                if not queue:
+                    del _boxes[key]
+            else:
+                queue.append(mine)
+                return MailboxWork(mine)
+        send, recv = (mine, other) if kind == "send" else (other, mine)
+        _copy(send, recv)  # outside the lock: copies between other pairs go on meanwhile
+        return MailboxWork(mine)
+
+    def leave(self, reason: str) -> None:
+        """This rank leaves the group: every unmatched message to or from it fails now, on both ends."""
+        with _lock:
+            _left[(self.group_id, self.rank)] = f"rank {self.rank} left the sync group: {reason}"
+            keys = [k for k in _boxes if k[0] == self.group_id and self.rank in (k[1], k[2])]
+            posts = [p for k in keys for p in _boxes.pop(k)]
+        for p in posts:
+            p.error = f"rank {self.rank} left the sync group: {reason}"
+            p.done.set()
