@@ -46,6 +46,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--server-url", default="http://127.0.0.1:8000")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--grad-accum", type=int, default=1, help="gradient accumulation steps")
     ap.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "rollout-sync-trl"))
     ap.add_argument("--verify", action="store_true", help="check after each sync that vLLM holds the weights")
     return ap.parse_args(argv)
@@ -72,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
-    state = PartialState()
+    state = PartialState(cpu=True)  # the 2-process gloo world (without cpu=True: process 0 of 1 on each)
     model = Path(args.workdir) / "model"
     if state.is_main_process:  # in a clean process: under accelerate's DeepSpeed launch, transformers
         # writes only part of a checkpoint (no config, no weights)
@@ -98,6 +99,7 @@ def main(argv: list[str] | None = None) -> int:
         learning_rate=args.lr,
         max_steps=args.steps,
         per_device_train_batch_size=4,
+        gradient_accumulation_steps=args.grad_accum,
         num_generations=4,
         max_completion_length=8,
         use_vllm=True,

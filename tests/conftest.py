@@ -63,7 +63,7 @@ ENGINE_MODULE_ORDER = (
     "tests/vllm/test_rollout_engines.py",  # dense-tied seeds 0 and 1, TP 2
 )
 #: The longest module outside the pool (served engines started by the module): right after the pool's.
-LONG_MODULES = ("tests/serve/test_serve.py",)
+LONG_MODULES = ("tests/serve/test_serve.py", "tests/trl/test_trl_grpo.py")
 ENGINE_GROUP = "vllm-engine-pool"
 
 
