@@ -24,22 +24,21 @@ then each call sends each rank's own shard straight into the vLLM workers that s
 Refused at the first sync on every rank, before any byte moves: PEFT models, FSDP or any non-DeepSpeed
 setup, vLLM's sleep mode (it frees and re-allocates the weights the maps point into).
 
-``RolloutSyncCallback`` is the same sync as a ``transformers.TrainerCallback`` for other Trainer-based loops
-that hold their own in-process vLLM engines or a server: it syncs after every optimizer step.
+Other Trainer-based loops can drive ``weight_sync.WeightSync`` with a ``ServedRollout`` or
+``ColocatedRollout`` directly (``attach(engine, rollout)`` once, ``sync()`` after each optimizer step); a
+ready-made ``transformers.TrainerCallback`` is not built yet.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from transformers import TrainerCallback
-
 from ..errors import UnsupportedLayoutError
 from ..transport import DEFAULT_STAGING_CAP_BYTES
 from .rollout_side import ColocatedRollout, RolloutSide, ServedRollout
 from .weight_sync import WeightSync, check_trainer
 
-__all__ = ["RolloutSyncCallback", "TrlWeightSync", "use_rollout_sync"]
+__all__ = ["TrlWeightSync", "rollout_side", "use_rollout_sync"]
 
 
 def _deepspeed_engine(accelerator: Any) -> Any:
@@ -119,31 +118,3 @@ def use_rollout_sync(
     vllm_client.VLLMClient.init_communicator = init_communicator  # type: ignore[method-assign,assignment]
     _installed = sync
     return sync
-
-
-class RolloutSyncCallback(TrainerCallback):
-    """A ``transformers.TrainerCallback`` that syncs after every optimizer step into ``rollout``'s engines: ``ServedRollout`` for a server,
-    ``ColocatedRollout`` for an in-process ``LLM`` (``external_launcher``). Needs the Trainer's accelerator
-    (the DeepSpeed engine is built when training starts)::
-
-        trainer.add_callback(RolloutSyncCallback(trainer, ColocatedRollout(llm, rank=..., world=...)))
-    """
-
-    def __init__(self, trainer: Any, rollout: RolloutSide, **options: Any) -> None:
-        self.trainer = trainer
-        self.sync = WeightSync(rollout, **options)
-
-    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        accelerator = self.trainer.accelerator
-        engine = _deepspeed_engine(accelerator)
-        check_trainer(
-            engine, distributed_type=str(accelerator.distributed_type), peft=_is_peft(self.trainer.model)
-        )
-        if not self.sync.attached:
-            self.sync.attach(engine)
-
-    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        self.sync.sync(int(state.global_step))
-
-    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        self.sync.detach()

@@ -26,17 +26,19 @@ EXTENSION = "vllm_plugin.extension.RolloutSyncExtension"
 WEIGHT_TRANSFER = ["--weight-transfer-config", '{"backend": "rollout_sync"}']
 
 
-def serve_command(model: Path | str, port: int, tp: int = 1, extra: Sequence[str] = ()) -> list[str]:
+def serve_command(
+    model: Path | str, port: int, tp: int = 1, extra: Sequence[str] = (), extension: bool = True
+) -> list[str]:
     """The exact command the README documents (plus the test's small-memory settings); ``extra``: more
-    arguments for ``vllm serve`` (``WEIGHT_TRANSFER``)."""
+    arguments for ``vllm serve`` (``WEIGHT_TRANSFER``); ``extension=False``: a server without
+    rollout-sync's worker extension (refusal tests)."""
     return [
         sys.executable,
         "-m",
         "rollout_sync.serve",
         "serve",
         str(model),
-        "--worker-extension-cls",
-        EXTENSION,
+        *(["--worker-extension-cls", EXTENSION] if extension else []),
         "--host",
         "127.0.0.1",
         "--port",
@@ -94,7 +96,14 @@ def _group_alive(pgid: int) -> bool:
     return True
 
 
-def launch(model: Path | str, log_dir: Path, name: str, tp: int = 1, extra: Sequence[str] = ()) -> Server:
+def launch(
+    model: Path | str,
+    log_dir: Path,
+    name: str,
+    tp: int = 1,
+    extra: Sequence[str] = (),
+    extension: bool = True,
+) -> Server:
     port = free_port()
     env = dict(os.environ)
     env["VLLM_SERVER_DEV_MODE"] = "1"
@@ -104,7 +113,7 @@ def launch(model: Path | str, log_dir: Path, name: str, tp: int = 1, extra: Sequ
     log = log_dir / f"{name}.log"
     log_file = open(log, "wb")  # noqa: SIM115 - closed by Server.stop
     proc = subprocess.Popen(
-        serve_command(model, port, tp, extra),
+        serve_command(model, port, tp, extra, extension),
         env=env,
         stdout=log_file,
         stderr=subprocess.STDOUT,

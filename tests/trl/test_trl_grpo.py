@@ -31,7 +31,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.deepspeed]
 TRL_SERVER_ARGS = ["--logprobs-mode", "processed_logprobs", "--max-logprobs", "-1"]
 
 
-def run_example(workdir: Path, zero: int, mode: str, *extra: str, timeout: float = 600.0) -> dict:
+def launch_example(workdir: Path, zero: int, mode: str, *extra: str, timeout: float = 600.0):
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
     env["DS_ACCELERATOR"] = "cpu"
@@ -50,24 +50,33 @@ def run_example(workdir: Path, zero: int, mode: str, *extra: str, timeout: float
         *extra,
     ]
     proc = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    (workdir / "run.log").write_text(proc.stdout + proc.stderr)
+    return proc
+
+
+def run_example(workdir: Path, zero: int, mode: str, *extra: str) -> dict:
+    proc = launch_example(workdir, zero, mode, *extra)
     log = proc.stdout + proc.stderr
-    (workdir / "run.log").write_text(log)
     assert proc.returncode == 0, f"the example failed ({proc.returncode}):\n{log[-6000:]}"
     last = [line for line in proc.stdout.splitlines() if line.startswith("{")][-1]
     return json.loads(last)
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory, tiny_model):
+def served(tmp_path_factory, model: Path, name: str, extension: bool = True):
     from tests.serve.servers import launch, wait_all
 
-    logs = tmp_path_factory.mktemp("trl-server")
-    srv = launch(tiny_model("dense"), logs, "trl-server", extra=TRL_SERVER_ARGS)
+    logs = tmp_path_factory.mktemp(name)
+    srv = launch(model, logs, name, extra=TRL_SERVER_ARGS, extension=extension)
     try:
         wait_all([srv])
         yield srv
     finally:
         srv.stop()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, tiny_model):
+    yield from served(tmp_path_factory, tiny_model("dense"), "trl-server")
 
 
 @pytest.mark.parametrize("zero", [3, 2])
@@ -95,3 +104,19 @@ def test_server(tmp_path, server, tiny_model, zero):
     assert out["all_verified"] and out["syncs"] == 3 and out["verified"] == 3, out
     assert out["engines"] == 1 and out["in_process_bytes"] == 0 and out["bytes_sent"] > 0, out
     assert server.engine.weight_version() == str(out["version"])
+
+
+def test_server_without_the_extension_is_refused_on_every_rank(tmp_path_factory, tmp_path, tiny_model):
+    """A server started without rollout-sync's worker extension: every training process raises the same
+    typed error naming the server and the cause at the first sync, before any rank joins a sync group."""
+    for bare in served(tmp_path_factory, tiny_model("dense"), "trl-bare-server", extension=False):
+        proc = launch_example(tmp_path, 3, "server", "--steps", "1", "--server-url", bare.engine.url)
+        log = proc.stdout + proc.stderr
+        assert proc.returncode != 0, log[-3000:]
+        for rank in (0, 1):
+            refusal = (
+                f"[rank{rank}]: rollout_sync.errors.UnsupportedLayoutError: the vLLM side cannot take part"
+            )
+            assert refusal in log, log[-6000:]
+        assert "training process 0: PeerFailedError" in log and bare.engine.url in log, log[-6000:]
+        assert "sync v0" not in log  # nothing was synced, nothing verified
