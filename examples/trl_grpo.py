@@ -135,31 +135,17 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def verify(sync: Any, model_dir: Path, out: Path) -> None:
-    """Gather the trainer's weights with DeepSpeed itself, write them into vLLM through vLLM's own loader
-    maps, and check that no bit of vLLM's parameters changed (every rank takes part: the gathers are
-    collective)."""
+    """vLLM must hold the trainer's weights, as DeepSpeed itself gathers them, bit for bit."""
     import torch.distributed as dist
 
-    from rollout_sync.testing.checkpoints import full_logical_tensors, save_checkpoint
+    from rollout_sync.testing.verify_sync import verify_last_sync
 
-    version = sync.history[-1].version
-    full = full_logical_tensors(sync.engine)
-    path = out / f"v{version}"
-    if dist.get_rank() == 0:
-        save_checkpoint(full, model_dir, path)
-    dist.barrier()
-    changed = sync.rollout.changed_by(str(path))
-    ok = [not changed]
-    every: list[list[bool]] = [[] for _ in range(dist.get_world_size())]
-    dist.all_gather_object(every, ok)
-    good = all(all(x) for x in every)
+    good, changed = verify_last_sync(sync, model_dir, out)
     VERIFIED.append(good)
     if dist.get_rank() == 0:
-        print(
-            f"[trl_grpo] sync v{version}: {'vLLM holds the trainer weights bit for bit' if good else 'MISMATCH'}"
-            + (f" (changed: {changed[:5]})" if changed else ""),
-            flush=True,
-        )
+        version = sync.history[-1].version
+        what = "vLLM holds the trainer weights bit for bit" if good else f"MISMATCH (changed: {changed[:5]})"
+        print(f"[trl_grpo] sync v{version}: {what}", flush=True)
 
 
 if __name__ == "__main__":

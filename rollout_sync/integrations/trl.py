@@ -24,9 +24,7 @@ then each call sends each rank's own shard straight into the vLLM workers that s
 Refused at the first sync on every rank, before any byte moves: PEFT models, FSDP or any non-DeepSpeed
 setup, vLLM's sleep mode (it frees and re-allocates the weights the maps point into).
 
-Other Trainer-based loops can drive ``weight_sync.WeightSync`` with a ``ServedRollout`` or
-``ColocatedRollout`` directly (``attach(engine, rollout)`` once, ``sync()`` after each optimizer step); a
-ready-made ``transformers.TrainerCallback`` is not built yet.
+Other Trainer-based loops: ``rollout_sync.integrations.trainer_callback.RolloutSyncCallback``.
 """
 
 from __future__ import annotations
@@ -36,20 +34,9 @@ from typing import Any
 from ..errors import UnsupportedLayoutError
 from ..transport import DEFAULT_STAGING_CAP_BYTES
 from .rollout_side import ColocatedRollout, RolloutSide, ServedRollout
-from .weight_sync import WeightSync, check_trainer
+from .weight_sync import WeightSync, check_trainer, deepspeed_engine, is_peft
 
 __all__ = ["TrlWeightSync", "rollout_side", "use_rollout_sync"]
-
-
-def _deepspeed_engine(accelerator: Any) -> Any:
-    wrapped = getattr(accelerator, "deepspeed_engine_wrapped", None)
-    return None if wrapped is None else wrapped.engine
-
-
-def _is_peft(model: Any) -> bool:
-    from accelerate.utils import is_peft_model
-
-    return bool(is_peft_model(model))
 
 
 class TrlWeightSync(WeightSync):
@@ -59,11 +46,11 @@ class TrlWeightSync(WeightSync):
     def sync_generation(self, generation: Any) -> None:
         accelerator = generation.accelerator
         if not self.attached:
-            engine = _deepspeed_engine(accelerator)
+            engine = deepspeed_engine(accelerator)
             check_trainer(
                 engine,
                 distributed_type=str(accelerator.distributed_type),
-                peft=_is_peft(generation.model),
+                peft=is_peft(generation.model),
             )
             if getattr(generation, "enable_sleep_mode", False):
                 raise UnsupportedLayoutError(

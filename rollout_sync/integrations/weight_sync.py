@@ -25,7 +25,19 @@ from ..sync.endpoint import SyncResult
 from ..transport import DEFAULT_STAGING_CAP_BYTES
 from .rollout_side import RolloutSide
 
-__all__ = ["WeightSync", "check_trainer"]
+__all__ = ["WeightSync", "check_trainer", "deepspeed_engine", "is_peft"]
+
+
+def deepspeed_engine(accelerator: Any) -> Any:
+    """The DeepSpeed engine accelerate built for the model being trained (None before ``prepare``)."""
+    wrapped = getattr(accelerator, "deepspeed_engine_wrapped", None)
+    return None if wrapped is None else wrapped.engine
+
+
+def is_peft(model: Any) -> bool:
+    from accelerate.utils import is_peft_model
+
+    return bool(is_peft_model(model))
 
 
 def check_trainer(engine: Any, *, distributed_type: str = "DEEPSPEED", peft: bool = False) -> None:

@@ -13,15 +13,11 @@ communicator was never built: on a CPU it raises ``NotImplementedError``.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.harness.vllm_engines import REPO_ROOT
+from tests.harness.accelerate_jobs import job_summary, launch_job
 
 pytest.importorskip("trl")
 pytest.importorskip("accelerate")
@@ -31,35 +27,12 @@ pytestmark = [pytest.mark.vllm, pytest.mark.deepspeed]
 TRL_SERVER_ARGS = ["--logprobs-mode", "processed_logprobs", "--max-logprobs", "-1"]
 
 
-def launch_example(workdir: Path, zero: int, mode: str, *extra: str, timeout: float = 600.0):
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
-    env["DS_ACCELERATOR"] = "cpu"
-    cmd = [
-        sys.executable,
-        "-m",
-        "accelerate.commands.launch",
-        "--config_file",
-        f"examples/trl/zero{zero}.yaml",
-        "examples/trl_grpo.py",
-        "--mode",
-        mode,
-        "--verify",
-        "--workdir",
-        str(workdir),
-        *extra,
-    ]
-    proc = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-    (workdir / "run.log").write_text(proc.stdout + proc.stderr)
-    return proc
+def launch_example(workdir: Path, zero: int, mode: str, *extra: str):
+    return launch_job("examples/trl_grpo.py", zero, workdir, "--mode", mode, "--verify", *extra)
 
 
 def run_example(workdir: Path, zero: int, mode: str, *extra: str) -> dict:
-    proc = launch_example(workdir, zero, mode, *extra)
-    log = proc.stdout + proc.stderr
-    assert proc.returncode == 0, f"the example failed ({proc.returncode}):\n{log[-6000:]}"
-    last = [line for line in proc.stdout.splitlines() if line.startswith("{")][-1]
-    return json.loads(last)
+    return job_summary("examples/trl_grpo.py", zero, workdir, "--mode", mode, "--verify", *extra)
 
 
 def served(tmp_path_factory, model: Path, name: str, extension: bool = True):

@@ -1,0 +1,43 @@
+"""Training jobs under ``accelerate launch`` (DeepSpeed on 2 CPU processes), as the README runs them."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from tests.harness.vllm_engines import REPO_ROOT
+
+
+def launch_job(script: str, zero: int, workdir: Path, *args: str, timeout: float = 600.0):
+    """``accelerate launch --config_file examples/trl/zero{zero}.yaml SCRIPT --workdir WORKDIR ARGS``,
+    from the repository root; the output is kept in ``WORKDIR/run.log``."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
+    env["DS_ACCELERATOR"] = "cpu"
+    cmd = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        f"examples/trl/zero{zero}.yaml",
+        script,
+        "--workdir",
+        str(workdir),
+        *args,
+    ]
+    proc = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    (workdir / "run.log").write_text(proc.stdout + proc.stderr)
+    return proc
+
+
+def job_summary(script: str, zero: int, workdir: Path, *args: str) -> dict[str, Any]:
+    """Run a job that must succeed; its last JSON line (process 0's summary)."""
+    proc = launch_job(script, zero, workdir, *args)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, f"{script} failed ({proc.returncode}):\n{log[-6000:]}"
+    last = [line for line in proc.stdout.splitlines() if line.startswith("{")][-1]
+    return json.loads(last)
