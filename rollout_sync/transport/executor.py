@@ -12,9 +12,8 @@ Lifecycle of one sync (every rank of the group calls ``Executor.execute``, even 
    messages on both ends (``schedule.build_schedule``).
 4. **transfer** — packed round 0, then every direct message (dense, same dtype: storage to storage, no
    staging) at once, then the other packed rounds: post receives, pack and post sends, wait, unpack
-   (casting to the target dtype); with ``overlap`` the next round is packed while the current one is on
-   the wire. Copies within
-   the rank run while the first rounds are in flight. Every wait is bounded by ``timeout`` (a progress
+   (the sender casts to a narrower target dtype while packing, the receiver otherwise); with ``overlap``
+   the next round is packed while the current one is on the wire. Copies within the rank run while the first rounds are in flight. Every wait is bounded by ``timeout`` (a progress
    timeout: no single message may take longer).
 
 After a transport failure (``PeerFailedError`` / ``SyncTimeoutError``) the group's connections to the
@@ -63,6 +62,7 @@ from .schedule import (
     part_copies,
     peers_of,
     wanted_message_bytes,
+    wire_dtype,
 )
 from .staging import StagingArena
 from .stats import ExecuteOptions, SyncStats
@@ -97,7 +97,7 @@ class TargetStream(Protocol):
 @dataclass(frozen=True, slots=True)
 class _PartProgram:
     name: str  # logical tensor name (key of sources / targets)
-    wire: torch.dtype  # source dtype: what the bytes on the wire are
+    wire: torch.dtype  # what the bytes on the wire are (schedule.wire_dtype)
     wire_size: int
     byte_offset: int
     count: int
@@ -130,10 +130,10 @@ def _compile(half: PlanHalf, schedule: Schedule) -> _Program:
         out = []
         for part in message.parts:
             t = half.tensors[part.segment.tensor]
-            wire = _torch_dtype(t.source_dtype)
+            wire = wire_dtype(t.source_dtype, t.target_dtype)
             copies = part_copies(part, side)
             out.append(
-                _PartProgram(t.name, wire, itemsize(t.source_dtype), part.byte_offset, part.count, copies)
+                _PartProgram(t.name, _torch_dtype(wire), itemsize(wire), part.byte_offset, part.count, copies)
             )
         return tuple(out)
 
@@ -164,7 +164,12 @@ def _compile(half: PlanHalf, schedule: Schedule) -> _Program:
 
 
 def _payload(half: PlanHalf, m: Message) -> int:
-    return sum(p.count * itemsize(half.tensors[p.segment.tensor].source_dtype) for p in m.parts)
+    tensors = half.tensors
+    return sum(
+        p.count
+        * itemsize(wire_dtype(tensors[p.segment.tensor].source_dtype, tensors[p.segment.tensor].target_dtype))
+        for p in m.parts
+    )
 
 
 def _view(storage: torch.Tensor, c: Copy) -> torch.Tensor:

@@ -24,7 +24,11 @@ Wire format of a pair stream (one direction between two ranks):
   rounds in flight. The number of rounds is about ``packed bytes / message_bytes``, whatever the number
   of segments.
 
-Element sizes on the wire are the source dtype's: the receiver casts (``tensor.to(dtype)`` semantics).
+The **wire dtype** of a packed segment (``wire_dtype``) is the narrower of its source and target floating
+dtypes: a trainer's fp32 weights for a bf16 vLLM travel as bf16, half the bytes. The sender casts while
+packing (``tensor.to(dtype)`` semantics, round to nearest even), the receiver copies; the result is the
+same bits as a cast at the receiver. Otherwise (same size, or not both floating) it is the source dtype
+and the receiver casts.
 """
 
 from __future__ import annotations
@@ -55,6 +59,7 @@ __all__ = [
     "peers_of",
     "segment_key",
     "wanted_message_bytes",
+    "wire_dtype",
 ]
 
 ALIGN = 16
@@ -191,8 +196,24 @@ def wanted_message_bytes(half: PlanHalf, staging_cap_bytes: int, depth: int) -> 
     return _align_down(staging_cap_bytes // max(slots, 1))
 
 
+_FLOATING = frozenset({"float64", "float32", "bfloat16", "float16"})
+
+
+def wire_dtype(source_dtype: str, target_dtype: str) -> str:
+    """The dtype a packed segment travels in: the target's when it is a narrower floating dtype (the sender
+    casts), else the source's (the receiver casts)."""
+    if (
+        source_dtype in _FLOATING
+        and target_dtype in _FLOATING
+        and itemsize(target_dtype) < itemsize(source_dtype)
+    ):
+        return target_dtype
+    return source_dtype
+
+
 def _wire_size(half: PlanHalf, s: Segment) -> int:
-    return itemsize(half.tensors[s.tensor].source_dtype)
+    t = half.tensors[s.tensor]
+    return itemsize(wire_dtype(t.source_dtype, t.target_dtype))
 
 
 def _is_direct(half: PlanHalf, s: Segment, zero_copy: bool) -> bool:

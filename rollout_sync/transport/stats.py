@@ -31,7 +31,7 @@ class ExecuteOptions:
 
 @dataclass(frozen=True, slots=True)
 class SyncStats:
-    """What one rank did in one sync. Byte counts are payload bytes on the wire (source dtype)."""
+    """What one rank did in one sync. Byte counts are payload bytes on the wire (``schedule.wire_dtype``)."""
 
     rank: int
     bytes_sent: dict[int, int]

@@ -296,7 +296,7 @@ def _casts(rank: int, world: int, group) -> list[str]:
     return failures
 
 
-def test_mixed_dtypes_are_cast_by_the_receiver_exactly_as_tensor_to_casts() -> None:
+def test_mixed_dtypes_are_cast_exactly_as_tensor_to_casts() -> None:
     results = run_on_ranks(_casts, 2, timeout=200)
     assert results == [[], []]
 

@@ -24,6 +24,7 @@ from rollout_sync.transport.schedule import (
     part_copies,
     peers_of,
     wanted_message_bytes,
+    wire_dtype,
 )
 
 DTYPES = ("float32", "bfloat16", "float16", "float64", "int8")
@@ -111,7 +112,8 @@ def test_parts_tile_every_segment_once_and_messages_keep_their_size(
             assert m.nbytes <= size
             end = 0
             for p in m.parts:
-                wire = itemsize(half.tensors[p.segment.tensor].source_dtype)
+                t = half.tensors[p.segment.tensor]
+                wire = itemsize(wire_dtype(t.source_dtype, t.target_dtype))
                 assert p.byte_offset % wire == 0 and p.byte_offset >= end
                 end = p.byte_offset + p.count * wire
                 covered.setdefault(p.segment, []).append((p.start, p.count))
@@ -243,3 +245,12 @@ def test_a_half_whose_segment_leaves_its_storage_is_refused_with_the_tensor_and_
 def test_a_half_listing_a_segment_of_another_rank_is_refused() -> None:
     reason = check_half(_raw_half(Segment(0, 0, 0, (1,), 1, 0, (1,), (6,)), rank=1))
     assert reason is not None and "does not belong" in reason
+
+
+def test_wire_dtype_is_the_narrower_floating_dtype():
+    assert wire_dtype("float32", "bfloat16") == "bfloat16"  # the sender casts: half the bytes
+    assert wire_dtype("float64", "float32") == "float32"
+    assert wire_dtype("bfloat16", "float32") == "bfloat16"  # widening: the receiver casts
+    assert wire_dtype("float16", "bfloat16") == "float16"  # same size: the source's
+    assert wire_dtype("float32", "int8") == "float32"  # not both floating: the receiver casts
+    assert wire_dtype("bfloat16", "bfloat16") == "bfloat16"
