@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -35,14 +34,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    cpus = sorted(os.sched_getaffinity(0))
-    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", str(cpus[local_rank % len(cpus)]))
+    from rollout_sync.testing.launched import build_checkpoint, colocated_cpu_env
+
+    colocated_cpu_env()  # before vLLM is imported
 
     import torch
     import torch.distributed as dist
@@ -69,11 +63,8 @@ def main(argv: list[str] | None = None) -> int:
         seed=0,
     )
     rank, world = dist.get_rank(), dist.get_world_size()
-    if rank == 0:  # in a clean process: under accelerate's DeepSpeed launch transformers writes a partial one
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("ACCELERATE_", "LOCAL_", "RANK"))}
-        subprocess.run(
-            [sys.executable, "-m", "rollout_sync.testing", "dense", str(model_dir)], env=env, check=True
-        )
+    if rank == 0:
+        build_checkpoint("dense", model_dir)
     dist.barrier()
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(4, 1000, (64, 16), generator=g).tolist()

@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -58,15 +57,9 @@ def reward(completion_ids: list[list[int]], **_: Any) -> list[float]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    cpus = sorted(os.sched_getaffinity(0))
-    # Colocate: each process's vLLM worker binds its OpenMP threads; one core per process.
-    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", str(cpus[local_rank % len(cpus)]))
+    from rollout_sync.testing.launched import build_checkpoint, colocated_cpu_env
+
+    colocated_cpu_env()  # before vLLM is imported
 
     import torch
     from accelerate import PartialState
@@ -75,12 +68,8 @@ def main(argv: list[str] | None = None) -> int:
 
     state = PartialState(cpu=True)  # the 2-process gloo world (without cpu=True: process 0 of 1 on each)
     model = Path(args.workdir) / "model"
-    if state.is_main_process:  # in a clean process: under accelerate's DeepSpeed launch, transformers
-        # writes only part of a checkpoint (no config, no weights)
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("ACCELERATE_", "LOCAL_", "RANK"))}
-        subprocess.run(
-            [sys.executable, "-m", "rollout_sync.testing", "dense", str(model)], env=env, check=True
-        )
+    if state.is_main_process:
+        build_checkpoint("dense", model)
     state.wait_for_everyone()
 
     sync = None

@@ -25,6 +25,7 @@ Last line: ``{"rows": [{"mode", "zero", "ours_s", "trl_s", "bitwise_equal", "our
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -35,7 +36,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-SHAPES = ("qwen3-0.6b-shapes", "tiny")
+SHAPES = ("qwen3-0.6b-shapes", "qwen3-0.6b-shapes-14-layers", "tiny")
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -54,12 +55,15 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from rollout_sync.testing.launched import build_checkpoint, colocated_cpu_env
+
     args = parse(argv)
     if args.worker:
+        colocated_cpu_env()  # before vLLM is imported
         return worker(args)
     work = Path(args.workdir)
     work.mkdir(parents=True, exist_ok=True)
-    model = make_model(args.shapes, work / args.shapes)
+    model = build_checkpoint("dense" if args.shapes == "tiny" else args.shapes, work / args.shapes)
     rows = []
     for zero in args.zero:
         row = run_row(zero, model, work, args.steps)
@@ -68,17 +72,6 @@ def main(argv: list[str] | None = None) -> int:
     summary = {"rows": rows}
     print(json.dumps(summary), flush=True)
     return 0 if rows and all(r["bitwise_equal"] for r in rows) else 1
-
-
-def make_model(shapes: str, path: Path) -> Path:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("ACCELERATE_", "LOCAL_", "RANK"))}
-    if shapes == "tiny":
-        cmd = [sys.executable, "-m", "rollout_sync.testing", "dense", str(path)]
-        subprocess.run(cmd, env=env, check=True, stdout=subprocess.DEVNULL)
-    else:
-        code = "import sys; from rollout_sync.testing.shaped_models import make_shaped_model as m; m(*sys.argv[1:])"
-        subprocess.run([sys.executable, "-c", code, shapes, str(path)], env=env, check=True)
-    return path
 
 
 def run_row(zero: int, model: Path, work: Path, steps: int) -> dict[str, Any]:
@@ -145,16 +138,13 @@ def run_row(zero: int, model: Path, work: Path, steps: int) -> dict[str, Any]:
 
 # ------------------------------------------------------------------------------------ in each process
 def worker(args: argparse.Namespace) -> int:
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    cpus = sorted(os.sched_getaffinity(0))
-    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", str(cpus[local_rank % len(cpus)]))
     import torch
     import torch.distributed as dist
     from accelerate import Accelerator, PartialState
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl.generation import vllm_generation
     from trl.generation.vllm_generation import VLLMGeneration
+    from vllm import LLM
 
     from rollout_sync.integrations.trl import TrlWeightSync, rollout_side
     from rollout_sync.testing.peak_memory import PeakMemory
@@ -165,6 +155,9 @@ def worker(args: argparse.Namespace) -> int:
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     engine, optimizer = accelerator.prepare(model, optimizer)
+    # Eager vLLM (TRL offers no switch): on CPU torch.compile takes minutes and gigabytes at these shapes,
+    # and the syncs measured here run no forward pass.
+    vllm_generation.LLM = functools.partial(LLM, enforce_eager=True)  # type: ignore[misc,assignment]
     generation = VLLMGeneration(
         model=accelerator.unwrap_model(engine),
         accelerator=accelerator,

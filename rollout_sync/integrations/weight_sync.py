@@ -13,16 +13,18 @@ a bare module), a PEFT model (its adapters are not merged into the weights vLLM 
 
 from __future__ import annotations
 
+import contextlib
 import secrets
 import socket
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from ..errors import UnsupportedLayoutError
 from ..sync.endpoint import SyncResult
 from ..transport import DEFAULT_STAGING_CAP_BYTES
+from .background import Background
 from .rollout_side import RolloutSide
 
 __all__ = ["WeightSync", "check_trainer", "deepspeed_engine", "is_peft"]
@@ -136,7 +138,7 @@ class WeightSync:
             )
         probe_s = time.perf_counter() - probe_started
         joining = self.rollout.connect(address, token, self.timeout, self.staging_cap_bytes)
-        try:
+        with self._beside(joining):
             self.trainer = TrainerSync.attach(
                 engine,
                 address=address,
@@ -147,9 +149,6 @@ class WeightSync:
                 timeout=self.timeout,
                 state=self.state,
             )
-        finally:
-            if joining is not None:
-                joining.join(self.timeout + 30.0)
         self.engine = engine
         self.setup = {
             "attach_s": round(time.perf_counter() - started, 3),
@@ -163,15 +162,27 @@ class WeightSync:
         if self.trainer is None or self.rollout is None:
             raise RuntimeError("attach(engine) first")
         receiving = self.rollout.receive(self.timeout)
-        try:
+        with self._beside(receiving):
             result = self.trainer.sync(version)
-        finally:
-            if receiving is not None:
-                receiving.join(self.timeout + 30.0)
         self.history.append(result)
         for hook in self.after_sync:
             hook(self)
         return result
+
+    @contextlib.contextmanager
+    def _beside(self, background: Background | None) -> Iterator[None]:
+        """Run the trainer half while ``background`` (the rollout half) runs, then join it. When the trainer
+        half fails, its error is the one raised (the rollout half's, which it usually causes, is dropped
+        once that thread has ended)."""
+        try:
+            yield
+        except BaseException:
+            if background is not None:
+                with contextlib.suppress(Exception):
+                    background.join(self.timeout + 30.0)
+            raise
+        if background is not None:
+            background.join(self.timeout + 30.0)
 
     def in_process_bytes(self, result: SyncResult) -> int:
         """Bytes this rank sent to ranks in its own process (in-process copies, no process group)."""

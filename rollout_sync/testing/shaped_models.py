@@ -21,19 +21,21 @@ from .tiny_models import TinyModelSpec, _hf_config, _save_tokenizer
 
 __all__ = ["SHAPED_KINDS", "make_shaped_model", "shaped_spec"]
 
-SHAPED_KINDS = ("qwen3-0.6b-shapes",)
+# Qwen3-0.6B's shapes; the same with 14 of its 28 layers (where both sides of two colocated processes must
+# fit in a small machine's memory: the TRL benchmark).
+SHAPED_KINDS = ("qwen3-0.6b-shapes", "qwen3-0.6b-shapes-14-layers")
 _STAMP = "rollout_sync_shaped.json"
 _RECIPE_VERSION = 1
 
 
 def shaped_spec(kind: str) -> TinyModelSpec:
-    if kind != "qwen3-0.6b-shapes":
+    if kind not in SHAPED_KINDS:
         raise ValueError(f"unknown shaped model kind {kind!r}: expected one of {SHAPED_KINDS}")
     return TinyModelSpec(
         kind="dense-tied",
         vocab_size=151936,
         hidden_size=1024,
-        num_hidden_layers=28,
+        num_hidden_layers=14 if kind.endswith("-14-layers") else 28,
         num_attention_heads=16,
         num_key_value_heads=8,
         head_dim=128,
