@@ -16,10 +16,12 @@ Seconds: the slower process, after a barrier, median over the measured steps (a 
 attach, TRL's first-pass metadata). Extra memory: the process's high-water mark during the sync minus its
 resident memory before (``rollout_sync.testing.peak_memory``), the larger process; in colocate mode the
 process is trainer rank and vLLM worker at once. Shapes: Qwen3-0.6B's by default (random bf16 weights made
-locally; the trainer trains in fp32), which fits both sides of both processes in 24 GB.
+locally; the trainer trains in fp32). The optimizer is SGD: the sync reads the same ZeRO partitions whatever
+the optimizer, and AdamW's two fp32 states per element did not leave room for both processes at these
+shapes in 23 GB (each was OOM-killed at 12.3 GB); ``--shapes qwen3-0.6b-shapes-14-layers`` halves the layers.
 
 Last line: ``{"rows": [{"mode", "zero", "ours_s", "trl_s", "bitwise_equal", "ours_trainer_extra_bytes",
-"trl_trainer_extra_bytes", ...}]}``.
+"trl_trainer_extra_bytes", ...}]}``. vLLM runs eager (TRL offers no switch; on CPU its compile takes minutes).
 """
 
 from __future__ import annotations
@@ -109,6 +111,7 @@ def run_row(zero: int, model: Path, work: Path, steps: int) -> dict[str, Any]:
     out.unlink(missing_ok=True)
     env = dict(os.environ)
     env["DS_ACCELERATOR"] = "cpu"
+    env.setdefault("MALLOC_ARENA_MAX", "2")  # a thread's arena each (vLLM, gloo, ...) grew RSS by gigabytes
     cmd = [
         sys.executable,
         "-m",
@@ -153,7 +156,7 @@ def worker(args: argparse.Namespace) -> int:
     PartialState(cpu=True)  # as TrainingArguments(use_cpu=True) does; else each process is 0 of 1
     accelerator = Accelerator()
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)  # no states: see the docstring
     engine, optimizer = accelerator.prepare(model, optimizer)
     # Eager vLLM (TRL offers no switch): on CPU torch.compile takes minutes and gigabytes at these shapes,
     # and the syncs measured here run no forward pass.
