@@ -85,13 +85,8 @@ class ServedRollout:
     def receive(self, timeout: float) -> Background | None:
         if self.server is None:
             return None
-        server = self.server
-
-        def receive() -> list[dict[str, Any]]:
-            reports = server.receive(timeout=timeout)  # pause (clears the prefix cache), receive, resume
-            return reports
-
-        return Background(f"{self.url} receiving a sync", receive)
+        # pause (clears the prefix cache), receive, resume, set the weight version
+        return Background(f"{self.url} receiving a sync", self.server.receive, timeout=timeout)
 
     def changed_by(self, checkpoint: str) -> list[str]:
         if self.server is None:

@@ -13,6 +13,7 @@ communicator was never built: on a CPU it raises ``NotImplementedError``.
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import pytest
@@ -35,6 +36,7 @@ def run_example(workdir: Path, zero: int, mode: str, *extra: str) -> dict:
     return job_summary("examples/trl_grpo.py", zero, workdir, "--mode", mode, "--verify", *extra)
 
 
+@contextlib.contextmanager
 def served(tmp_path_factory, model: Path, name: str, extension: bool = True):
     from tests.serve.servers import launch, wait_all
 
@@ -49,7 +51,8 @@ def served(tmp_path_factory, model: Path, name: str, extension: bool = True):
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, tiny_model):
-    yield from served(tmp_path_factory, tiny_model("dense"), "trl-server")
+    with served(tmp_path_factory, tiny_model("dense"), "trl-server") as srv:
+        yield srv
 
 
 @pytest.mark.parametrize("zero", [3, 2])
@@ -82,7 +85,7 @@ def test_server(tmp_path, server, tiny_model, zero):
 def test_server_without_the_extension_is_refused_on_every_rank(tmp_path_factory, tmp_path, tiny_model):
     """A server started without rollout-sync's worker extension: every training process raises the same
     typed error naming the server and the cause at the first sync, before any rank joins a sync group."""
-    for bare in served(tmp_path_factory, tiny_model("dense"), "trl-bare-server", extension=False):
+    with served(tmp_path_factory, tiny_model("dense"), "trl-bare-server", extension=False) as bare:
         proc = launch_example(tmp_path, 3, "server", "--steps", "1", "--server-url", bare.engine.url)
         log = proc.stdout + proc.stderr
         assert proc.returncode != 0, log[-3000:]
