@@ -151,6 +151,7 @@ def worker(args: argparse.Namespace) -> int:
     from trl.generation.vllm_generation import VLLMGeneration
     from vllm import LLM
 
+    from rollout_sync.integrations.rollout_side import ColocatedRollout
     from rollout_sync.integrations.trl import TrlWeightSync, rollout_side
     from rollout_sync.testing.peak_memory import PeakMemory
     from vllm_plugin.worker_state import param_digest
@@ -172,12 +173,14 @@ def worker(args: argparse.Namespace) -> int:
         max_num_seqs=4,
         gpu_memory_utilization=0.3,
     )
-    vllm_model = generation.llm.llm_engine.model_executor.driver_worker.model_runner.model
+    side = rollout_side(generation)
+    assert isinstance(side, ColocatedRollout)
+    vllm_model = side.vllm_worker.model_runner.model
     ours = TrlWeightSync(timeout=600.0)
     started = time.perf_counter()
-    ours.attach(accelerator.deepspeed_engine_wrapped.engine, rollout_side(generation))
+    ours.attach(accelerator.deepspeed_engine_wrapped.engine, side)
     attach_s = time.perf_counter() - started
-    forms = ours.rollout.worker.loaded_forms  # type: ignore[union-attr]
+    forms = side.worker.loaded_forms
     packed = 0 if forms is None else len(forms.layers)
     vocab = int(model.config.vocab_size)
 

@@ -190,16 +190,18 @@ class WeightSync:
         return sum(n for peer, n in result.stats.bytes_sent.items() if peer in local)
 
     def summary(self) -> dict[str, Any]:
-        """Per-process figures: syncs, their seconds (median, each), bytes sent, of which in-process."""
+        """Per-process figures: syncs, their seconds (median, each), the last sync's bytes sent and how many of
+        them went to ranks in this process, its version."""
         seconds = [r.seconds for r in self.history]
+        last = self.history[-1] if self.history else None
         return {
             **self.setup,
             "syncs": len(self.history),
             "sync_s_median": round(statistics.median(seconds), 4) if seconds else None,
             "sync_s": [round(s, 4) for s in seconds],
-            "bytes_sent": sum(sum(r.stats.bytes_sent.values()) for r in self.history[-1:]),
-            "in_process_bytes": sum(self.in_process_bytes(r) for r in self.history[-1:]),
-            "version": self.history[-1].version if self.history else None,
+            "bytes_sent": sum(last.stats.bytes_sent.values()) if last else 0,  # the last sync's
+            "in_process_bytes": self.in_process_bytes(last) if last else 0,
+            "version": last.version if last else None,
         }
 
     def detach(self) -> None:

@@ -13,8 +13,9 @@ Lifecycle of one sync (every rank of the group calls ``Executor.execute``, even 
 4. **transfer** — packed round 0, then every direct message (dense, same dtype: storage to storage, no
    staging) at once, then the other packed rounds: post receives, pack and post sends, wait, unpack
    (the sender casts to a narrower target dtype while packing, the receiver otherwise); with ``overlap``
-   the next round is packed while the current one is on the wire. Copies within the rank run while the first rounds are in flight. Every wait is bounded by ``timeout`` (a progress
-   timeout: no single message may take longer).
+   the next round is packed while the current one is on the wire. Copies within the rank run while the
+   first rounds are in flight. Every wait is bounded by ``timeout`` (a progress timeout: no single message
+   may take longer).
 
 After a transport failure (``PeerFailedError`` / ``SyncTimeoutError``) the group's connections to the
 failed peer may be closed (gloo closes a pair on a timeout): build a new group before the next sync. A
@@ -149,27 +150,23 @@ def _compile(half: PlanHalf, schedule: Schedule) -> _Program:
             direct_sends.append(entry)
         else:
             sends.setdefault(m.round, []).append(entry)
-        bytes_sent[m.peer] = bytes_sent.get(m.peer, 0) + _payload(half, m)
+        bytes_sent[m.peer] = bytes_sent.get(m.peer, 0) + _payload(entry[1])
     for m in schedule.receives:
         entry = (m, program(m, "target"))
         if m.direct:
             direct_receives.append(entry)
         else:
             receives.setdefault(m.round, []).append(entry)
-        bytes_received[m.peer] = bytes_received.get(m.peer, 0) + _payload(half, m)
+        bytes_received[m.peer] = bytes_received.get(m.peer, 0) + _payload(entry[1])
     local_bytes = sum(s.numel * itemsize(half.tensors[s.tensor].target_dtype) for s in schedule.local)
     return _Program(
         schedule, sends, receives, direct_sends, direct_receives, bytes_sent, bytes_received, local_bytes
     )
 
 
-def _payload(half: PlanHalf, m: Message) -> int:
-    tensors = half.tensors
-    return sum(
-        p.count
-        * itemsize(wire_dtype(tensors[p.segment.tensor].source_dtype, tensors[p.segment.tensor].target_dtype))
-        for p in m.parts
-    )
+def _payload(parts: tuple[_PartProgram, ...]) -> int:
+    """Bytes a message carries on the wire (its parts in their wire dtype)."""
+    return sum(p.count * p.wire_size for p in parts)
 
 
 def _view(storage: torch.Tensor, c: Copy) -> torch.Tensor:
