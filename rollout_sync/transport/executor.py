@@ -14,8 +14,9 @@ Lifecycle of one sync (every rank of the group calls ``Executor.execute``, even 
    staging) at once, then the other packed rounds: post receives, pack and post sends, wait, unpack
    (the sender casts to a narrower target dtype while packing, the receiver otherwise); with ``overlap``
    the next round is packed while the current one is on the wire. Copies within the rank run while the
-   first rounds are in flight. Every wait is bounded by ``timeout`` (a progress timeout: no single message
-   may take longer).
+   first rounds are in flight, then the handoffs from peers in this process (each segment copied straight
+   from the peer's source storage: see ``schedule``). Every wait is bounded by ``timeout`` (a progress
+   timeout: no single message may take longer).
 
 After a transport failure (``PeerFailedError`` / ``SyncTimeoutError``) the group's connections to the
 failed peer may be closed (gloo closes a pair on a timeout): build a new group before the next sync. A
@@ -45,13 +46,13 @@ from typing import Any, Protocol
 import torch
 
 from ..layout.dtypes import itemsize
-from ..planning.plan import PlanHalf
+from ..planning.plan import PlanHalf, Segment
 from . import agreement
 from .fingerprint import pair_sums, table_hash
 from .groups import group_backend, group_rank, group_size
 from .in_process import InProcess
 from .local_check import check_storages
-from .p2p import Op, Pending, transport_for
+from .p2p import Op, Pending, Transport, transport_for
 from .schedule import (
     ALIGN,
     MIN_MESSAGE_BYTES,
@@ -158,7 +159,8 @@ def _compile(half: PlanHalf, schedule: Schedule) -> _Program:
         else:
             receives.setdefault(m.round, []).append(entry)
         bytes_received[m.peer] = bytes_received.get(m.peer, 0) + _payload(entry[1])
-    local_bytes = sum(s.numel * itemsize(half.tensors[s.tensor].target_dtype) for s in schedule.local)
+    local = [*schedule.local, *(s for _, segments in schedule.handoff_from for s in segments)]
+    local_bytes = sum(s.numel * itemsize(half.tensors[s.tensor].target_dtype) for s in local)
     return _Program(
         schedule, sends, receives, direct_sends, direct_receives, bytes_sent, bytes_received, local_bytes
     )
@@ -203,6 +205,7 @@ class Executor:
         self._cached: tuple[tuple[Any, ...], _Program] | None = None
         self._fingerprints: tuple[PlanHalf, bytes, tuple[int, int]] | None = None
         self._checked: PlanHalf | None = None
+        self.in_process: frozenset[int] = local.peers if local is not None else frozenset()
 
     @property
     def depth(self) -> int:
@@ -239,8 +242,8 @@ class Executor:
             return f"rank {self.rank}: checking the local storages failed: {e!r}", None, 0
         if reason is not None:
             return reason, None, 0
-        wanted = wanted_message_bytes(half, self.options.staging_cap_bytes, self.depth)
-        send_peers, recv_peers = peers_of(half)
+        wanted = wanted_message_bytes(half, self.options.staging_cap_bytes, self.depth, self.in_process)
+        send_peers, recv_peers = peers_of(half, self.in_process)
         if (send_peers or recv_peers) and wanted < MIN_MESSAGE_BYTES:
             slots = self.depth * (len(send_peers) + len(recv_peers))
             return (
@@ -288,7 +291,7 @@ class Executor:
 
     # -- 3. schedule ------------------------------------------------------------------------------------
     def _program(self, half: PlanHalf, offers: list[int]) -> _Program:
-        send_peers, recv_peers = peers_of(half)
+        send_peers, recv_peers = peers_of(half, self.in_process)
         sizes = {p: min(offers[self.rank], offers[p]) // ALIGN * ALIGN for p in {*send_peers, *recv_peers}}
         # Keyed by content (digest, rank, fingerprints), so a half rebuilt for every sync still reuses it.
         key = (
@@ -298,11 +301,14 @@ class Executor:
             tuple(sorted(sizes.items())),
             self.depth,
             self.options.zero_copy,
+            self.in_process,
         )
         cached = self._cached
         if cached is not None and cached[0] == key:
             return cached[1]
-        schedule = build_schedule(half, sizes, zero_copy=self.options.zero_copy, depth=self.depth)
+        schedule = build_schedule(
+            half, sizes, zero_copy=self.options.zero_copy, depth=self.depth, in_process=self.in_process
+        )
         program = _compile(half, schedule)
         self._cached = (key, program)  # one plan at a time: a new plan replaces the old
         return program
@@ -337,7 +343,19 @@ class Executor:
         t = clock.add("schedule", t)
         with torch.no_grad():
             streamed = _Targets(targets, stream, half, program)
-            self._transfer(half, program, arena, sources, streamed, device, clock)
+            transport = transport_for(
+                self.group, self.backend, self.rank, self.options.timeout, device, self.local
+            )
+            taken: set[int] = set()  # in-process peers whose handoff this rank took
+            try:
+                self._transfer(half, program, arena, sources, streamed, transport, taken, clock)
+            except BaseException as e:
+                for peer, _ in schedule.handoff_from:
+                    if peer not in taken:  # its sender must not wait for the timeout
+                        transport.decline(
+                            peer, f"rank {self.rank} failed before copying from rank {peer}: {e!r}"
+                        )
+                raise
         clock.seconds["total"] = time.perf_counter() - t0
         return SyncStats(
             rank=self.rank,
@@ -364,13 +382,11 @@ class Executor:
         arena: torch.Tensor,
         sources: Mapping[str, torch.Tensor],
         targets: _Targets,
-        device: torch.device,
+        transport: Transport,
+        taken: set[int],
         clock: _Clock,
     ) -> None:
         schedule = program.schedule
-        transport = transport_for(
-            self.group, self.backend, self.rank, self.options.timeout, device, self.local
-        )
         coalesced = self.backend == "nccl"
         depth = schedule.depth
         rounds = schedule.rounds
@@ -465,6 +481,8 @@ class Executor:
                 clock.add("post", t)
             pending_send[r] = sent
 
+        # Handoffs first: a peer in this process copies from these sources while this rank goes on.
+        offered = [transport.offer(peer, sources) for peer in schedule.handoff_to]
         # Round 0 first: its receivers can unpack while the direct messages stream behind it (on one
         # connection per pair, messages leave in the order they are posted). Every rank issues in the
         # same order (round 0, direct, round 1, ...), which NCCL needs.
@@ -481,6 +499,9 @@ class Executor:
                 torch.as_strided(src, s.extent, s.source_strides, src.storage_offset() + s.source_offset)
             )
             targets.landed(tensor.name)
+        for peer, segments in schedule.handoff_from:
+            taken.add(peer)
+            _copy_handoff(transport, peer, segments, half, targets)
         clock.add("local", t)
         for r in range(rounds):
             t = time.perf_counter()
@@ -501,7 +522,27 @@ class Executor:
             targets.landed(landed)
         for r in sorted(pending_send):
             transport.wait(pending_send.pop(r))
+        transport.wait(offered)
         clock.add("wait", t)
+
+
+def _copy_handoff(
+    transport: Transport, peer: int, segments: tuple[Segment, ...], half: PlanHalf, targets: _Targets
+) -> None:
+    """Copy ``segments`` straight from the source storages ``peer`` (in this process) hands over."""
+    sources = transport.take(peer)
+    try:
+        for s in segments:
+            name = half.tensors[s.tensor].name
+            src, dst = sources[name], targets.get(name)
+            torch.as_strided(dst, s.extent, s.target_strides, dst.storage_offset() + s.target_offset).copy_(
+                torch.as_strided(src, s.extent, s.source_strides, src.storage_offset() + s.source_offset)
+            )
+            targets.landed(name)
+    except BaseException as e:
+        transport.finish(peer, f"rank {transport.rank} failed copying from rank {peer}'s storages: {e!r}")
+        raise
+    transport.finish(peer)
 
 
 def _pack(buf: torch.Tensor, parts: tuple[_PartProgram, ...], sources: Mapping[str, torch.Tensor]) -> None:
@@ -549,6 +590,7 @@ class _Targets:
         names = [parts[0].name for _, parts in program.direct_receives]
         names += [p.name for entries in program.receives.values() for _, parts in entries for p in parts]
         names += [half.tensors[s.tensor].name for s in program.schedule.local]
+        names += [half.tensors[s.tensor].name for _, segs in program.schedule.handoff_from for s in segs]
         for name in names:
             if name in self.streamed:
                 self.remaining[name] = self.remaining.get(name, 0) + 1

@@ -6,6 +6,10 @@ message leaves it in a process-wide mailbox, the second side's post finds it and
 straight into the receiver's buffer (one copy; ``copy_`` also crosses devices). The plan and the schedule
 are the same as over the wire; both ends post the same messages in the same order.
 
+A **handoff** (``offer`` / ``take``) skips even that copy: the sender offers its source storages, the
+receiver takes them and copies each segment straight from them into its targets (``schedule.handoff_from``),
+then ``finish``es the offer, which releases the sender's wait.
+
 Every wait is bounded like a wire wait (``timedelta`` in, ``False`` or a raised ``RuntimeError`` naming a
 timeout out, which ``p2p.Transport`` turns into ``SyncTimeoutError``). A rank that leaves its group
 (``InProcess.leave``) fails every message a peer in this process still waits for from it at once.
@@ -15,12 +19,17 @@ from __future__ import annotations
 
 import threading
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import Any
 
 import torch
 
-__all__ = ["InProcess", "MailboxWork"]
+__all__ = ["HANDOFF_TAG", "InProcess", "MailboxWork"]
+
+HANDOFF_TAG = -1
+"""The mailbox tag of a pair's handoff (message tags are non-negative)."""
 
 _lock = threading.Lock()
 # (group id, source rank, destination rank, tag) -> posts not yet matched, oldest first
@@ -31,9 +40,10 @@ _left: dict[tuple[str, int], str] = {}  # (group id, rank) -> why that rank left
 @dataclass(eq=False)
 class _Post:
     kind: str  # "send" or "recv"
-    tensor: torch.Tensor
+    tensor: Any  # a message's buffer; for a handoff offer, the sender's source storages
     done: threading.Event = field(default_factory=threading.Event)
     error: str | None = None
+    offer: _Post | None = None  # a waiting take: the offer that matched it
 
 
 class MailboxWork:
@@ -73,6 +83,7 @@ class InProcess:
         self.group_id = group_id
         self.rank = rank
         self.peers = peers
+        self._taken: dict[int, _Post] = {}  # peer -> its offer this rank took and has not finished
 
     def post(self, kind: str, tensor: torch.Tensor, peer: int, tag: int) -> MailboxWork:
         src, dst = (self.rank, peer) if kind == "send" else (peer, self.rank)
@@ -95,6 +106,85 @@ class InProcess:
         send, recv = (mine, other) if kind == "send" else (other, mine)
         _copy(send, recv)  # outside the lock: copies between other pairs go on meanwhile
         return MailboxWork(mine)
+
+    def offer(self, peer: int, sources: Mapping[str, torch.Tensor]) -> MailboxWork:
+        """Offer this rank's source storages to ``peer``; the work is done when the peer ``finish``es."""
+        mine = _Post("send", sources)
+        with _lock:
+            gone = _left.get((self.group_id, peer))
+            if gone is not None:
+                mine.error = gone
+                mine.done.set()
+                return MailboxWork(mine)
+            key = (self.group_id, self.rank, peer, HANDOFF_TAG)
+            queue = _boxes.setdefault(key, deque())
+            if queue and queue[0].kind == "recv":
+                waiting = queue.popleft()
+                if not queue:
+                    del _boxes[key]
+                if waiting.error is not None:  # declined before it came
+                    mine.error = waiting.error
+                    mine.done.set()
+                else:
+                    waiting.offer = mine
+                    waiting.done.set()
+            else:
+                queue.append(mine)
+        return MailboxWork(mine)
+
+    def decline(self, peer: int, reason: str) -> None:
+        """This rank will not take ``peer``'s offer (its sync failed first): the offer, made or still to
+        come, fails with ``reason`` at once instead of waiting for the timeout."""
+        key = (self.group_id, peer, self.rank, HANDOFF_TAG)
+        with _lock:
+            queue = _boxes.setdefault(key, deque())
+            if queue and queue[0].kind == "send":
+                offer = queue.popleft()
+                if not queue:
+                    del _boxes[key]
+            else:
+                queue.append(_Post("recv", None, error=reason))
+                return
+        offer.error = reason
+        offer.done.set()
+
+    def take(self, peer: int, timeout: timedelta) -> Mapping[str, torch.Tensor]:
+        """The source storages ``peer`` offers this rank (waits for the offer at most ``timeout``). Every
+        ``take`` must be followed by ``finish(peer, ...)``, also when copying fails."""
+        key = (self.group_id, peer, self.rank, HANDOFF_TAG)
+        with _lock:
+            gone = _left.get((self.group_id, peer))
+            if gone is not None:
+                raise RuntimeError(gone)
+            queue = _boxes.setdefault(key, deque())
+            if queue and queue[0].kind == "send":
+                offer = queue.popleft()
+                if not queue:
+                    del _boxes[key]
+                self._taken[peer] = offer
+                return offer.tensor
+            mine = _Post("recv", None)
+            queue.append(mine)
+        try:
+            MailboxWork(mine).wait(timeout)
+        except RuntimeError:
+            with _lock:
+                waiting = _boxes.get(key)
+                if waiting is not None and mine in waiting:
+                    waiting.remove(mine)
+                    if not waiting:
+                        del _boxes[key]
+            raise
+        assert mine.offer is not None
+        self._taken[peer] = mine.offer
+        return mine.offer.tensor
+
+    def finish(self, peer: int, error: str | None = None) -> None:
+        """The copies from ``peer``'s taken offer are done (or failed with ``error``): release its sender."""
+        offer = self._taken.pop(peer, None)
+        if offer is not None:
+            offer.error = error
+            offer.done.set()
 
     def leave(self, reason: str) -> None:
         """This rank leaves the group: every unmatched message to or from it fails now, on both ends."""

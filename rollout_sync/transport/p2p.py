@@ -15,7 +15,7 @@ Every wait is bounded: a peer that dies turns into ``PeerFailedError``, one that
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -73,6 +73,28 @@ class Transport:
     def post_local(self, op: Op) -> Pending:
         assert self.local is not None
         return Pending(self.local.post(op.kind, op.tensor, op.peer, op.tag), op.peer, op.kind, op.label)
+
+    def offer(self, peer: int, sources: Mapping[str, torch.Tensor]) -> Pending:
+        """Hand this rank's source storages to ``peer`` in this process (``schedule.handoff_to``)."""
+        assert self.local is not None
+        return Pending(self.local.offer(peer, sources), peer, "send", "handoff")
+
+    def take(self, peer: int) -> Mapping[str, torch.Tensor]:
+        """The source storages ``peer`` in this process hands this rank; follow with ``finish``."""
+        assert self.local is not None
+        try:
+            return self.local.take(peer, timedelta(seconds=self.timeout))
+        except RuntimeError as e:
+            raise self._error("recv", peer, "handoff", str(e)) from e
+
+    def finish(self, peer: int, error: str | None = None) -> None:
+        assert self.local is not None
+        self.local.finish(peer, error)
+
+    def decline(self, peer: int, reason: str) -> None:
+        """This rank failed before taking ``peer``'s handoff: fail the peer's offer now."""
+        assert self.local is not None
+        self.local.decline(peer, reason)
 
     def post(self, ops: Sequence[Op]) -> list[Pending]:
         pending = []

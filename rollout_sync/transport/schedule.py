@@ -24,6 +24,11 @@ Wire format of a pair stream (one direction between two ranks):
   rounds in flight. The number of rounds is about ``packed bytes / message_bytes``, whatever the number
   of segments.
 
+A pair whose two ranks run in the same process (``in_process``: a trainer rank and a vLLM worker of TRL's
+colocate mode) has no messages at all: its segments are a **handoff**. The sender offers its source
+storages, the receiver copies each segment straight from the sender's storage into its own (one cast-copy per
+element, no staging) and tells the sender when it is done.
+
 The **wire dtype** of a packed segment (``wire_dtype``) is the narrower of its source and target floating
 dtypes: a trainer's fp32 weights for a bf16 vLLM travel as bf16, half the bytes. The sender casts while
 packing (``tensor.to(dtype)`` semantics, round to nearest even), the receiver copies; the result is the
@@ -127,6 +132,8 @@ class Schedule:
     """What one rank does in one sync.
 
     ``sends`` / ``receives`` are sorted by ``(direct, round, peer)``; ``rounds`` counts packed rounds.
+    ``handoff_to``: the in-process peers this rank offers its sources to; ``handoff_from``: per in-process
+    peer that sends to this rank, the segments this rank copies from that peer's storages (canonical order).
     ``slots`` gives each staging slot's
     byte range in the rank's staging arena, keyed by ``(direction, peer, parity)`` with direction
     ``"send"`` or ``"recv"``; packed message of round ``k`` uses parity ``k % depth``.
@@ -140,6 +147,8 @@ class Schedule:
     depth: int
     slots: Mapping[tuple[str, int, int], tuple[int, int]]
     staging_bytes: int
+    handoff_to: tuple[int, ...] = ()
+    handoff_from: tuple[tuple[int, tuple[Segment, ...]], ...] = ()
 
     def slot(self, direction: str, message: Message) -> tuple[int, int]:
         return self.slots[(direction, message.peer, message.round % self.depth)]
@@ -180,18 +189,23 @@ def _align_down(n: int) -> int:
     return n // ALIGN * ALIGN
 
 
-def peers_of(half: PlanHalf) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """The ranks this half sends to, and those it receives from (sorted)."""
+def peers_of(
+    half: PlanHalf, in_process: frozenset[int] = frozenset()
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The ranks this half sends messages to, and those it receives messages from (sorted); peers in
+    ``in_process`` are left out (their segments are handoffs, not messages)."""
     return (
-        tuple(sorted({s.target_rank for s in half.sends})),
-        tuple(sorted({s.source_rank for s in half.receives})),
+        tuple(sorted({s.target_rank for s in half.sends} - in_process)),
+        tuple(sorted({s.source_rank for s in half.receives} - in_process)),
     )
 
 
-def wanted_message_bytes(half: PlanHalf, staging_cap_bytes: int, depth: int) -> int:
+def wanted_message_bytes(
+    half: PlanHalf, staging_cap_bytes: int, depth: int, in_process: frozenset[int] = frozenset()
+) -> int:
     """The largest message this rank can stage per peer: ``cap / (depth · (send peers + receive peers))``,
     rounded down to ``ALIGN``. ``depth`` is 2 when packing the next round overlaps the current transfer."""
-    send_peers, recv_peers = peers_of(half)
+    send_peers, recv_peers = peers_of(half, in_process)
     slots = depth * (len(send_peers) + len(recv_peers))
     return _align_down(staging_cap_bytes // max(slots, 1))
 
@@ -275,17 +289,31 @@ def pair_messages(
 
 
 def build_schedule(
-    half: PlanHalf, message_bytes: Mapping[int, int], *, zero_copy: bool = True, depth: int = 2
+    half: PlanHalf,
+    message_bytes: Mapping[int, int],
+    *,
+    zero_copy: bool = True,
+    depth: int = 2,
+    in_process: frozenset[int] = frozenset(),
 ) -> Schedule:
-    """The schedule of ``half`` given the agreed message size with each peer."""
+    """The schedule of ``half`` given the agreed message size with each peer; segments with a peer in
+    ``in_process`` become handoffs."""
     if depth not in (1, 2):
         raise ValueError(f"depth must be 1 or 2, not {depth}")
     by_peer_out: dict[int, list[Segment]] = {}
     by_peer_in: dict[int, list[Segment]] = {}
+    handoff_in: dict[int, list[Segment]] = {}
+    handoff_to: set[int] = set()
     for s in half.sends:
-        by_peer_out.setdefault(s.target_rank, []).append(s)
+        if s.target_rank in in_process:
+            handoff_to.add(s.target_rank)
+        else:
+            by_peer_out.setdefault(s.target_rank, []).append(s)
     for s in half.receives:
-        by_peer_in.setdefault(s.source_rank, []).append(s)
+        if s.source_rank in in_process:
+            handoff_in.setdefault(s.source_rank, []).append(s)
+        else:
+            by_peer_in.setdefault(s.source_rank, []).append(s)
     sends: list[Message] = []
     receives: list[Message] = []
     slot_sizes: dict[tuple[str, int, int], int] = {}
@@ -315,6 +343,10 @@ def build_schedule(
         depth=depth,
         slots=slots,
         staging_bytes=offset,
+        handoff_to=tuple(sorted(handoff_to)),
+        handoff_from=tuple(
+            (peer, tuple(sorted(segments, key=segment_key))) for peer, segments in sorted(handoff_in.items())
+        ),
     )
 
 
