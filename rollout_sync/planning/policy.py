@@ -7,7 +7,9 @@ is ``"lowest"``, ``"balanced"`` or any callable taking a ``ReplicaRequest`` and 
 - ``lowest``: the lowest holder rank (DeepSpeed's default).
 - ``balanced``: the target rank itself when it holds the box (a copy within one process), else the holder
   with the fewest bytes assigned so far in this plan (ties: the lowest rank). Every assignment the planner
-  makes counts, including those of boxes with a single holder.
+  makes counts, including those of boxes with a single holder. Given ``places`` (rank -> where it runs:
+  host and process), the holders nearest the target come first: in the target's own process (a handoff, one
+  copy in memory), else on its host, else any.
 
 - ``Spread`` (an instance): balanced without any state, so that one rank can evaluate every choice of its
   own half alone (``rollout_sync.planning.rank_half``): the target rank itself when it holds the box, else
@@ -21,7 +23,7 @@ from __future__ import annotations
 
 import zlib
 from bisect import bisect_left
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Literal, Protocol, Union
 
@@ -58,17 +60,33 @@ class Balanced:
     """Local copy first, else the holder with the fewest bytes assigned so far (ties: lowest rank).
 
     ``assigned`` counts bytes per source rank over every ``record`` call (the planner records every
-    assignment of a plan, chosen or forced). One instance per plan.
+    assignment of a plan, chosen or forced). One instance per plan. ``places`` maps a rank to ``(host,
+    process)``; ranks it does not name are nowhere in particular.
     """
 
-    __slots__ = ("assigned",)
+    __slots__ = ("assigned", "places")
 
-    def __init__(self) -> None:
+    def __init__(self, places: Mapping[int, tuple[str, int]] | None = None) -> None:
         self.assigned: dict[int, int] = {}
+        self.places = dict(places or {})
+
+    def nearest(self, target_rank: int, candidates: tuple[int, ...]) -> tuple[int, ...]:
+        """The candidates in the target's process, else on its host, else all of them."""
+        where = self.places.get(target_rank)
+        if where is None:
+            return candidates
+        places = self.places
+        same_process = tuple(c for c in candidates if places.get(c) == where)
+        if same_process:
+            return same_process
+        same_host = tuple(c for c in candidates if (places.get(c) or ("",))[0] == where[0])
+        return same_host or candidates
 
     def choose(self, target_rank: int, candidates: tuple[int, ...]) -> int:
         if target_rank in candidates:
             return target_rank
+        if self.places and len(candidates) > 1:
+            candidates = self.nearest(target_rank, candidates)
         assigned = self.assigned
         best = candidates[0]
         best_load = assigned.get(best, 0)

@@ -17,7 +17,7 @@ import hashlib
 import json
 import secrets
 from collections import OrderedDict, defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,7 +27,7 @@ from ..layout.combine import alone, merge
 from ..layout.maps import TensorMap
 from ..planning.plan import Plan
 from ..planning.planner import plan_model
-from ..planning.policy import ReplicaPolicy
+from ..planning.policy import Balanced, ReplicaPolicy
 from ..planning.wire import decode_maps, encode_half
 from ..transport.groups import connect_store
 from .roster import RosterEntry, encode_roster
@@ -37,13 +37,32 @@ def maps_digest(payload: bytes) -> str:
     return hashlib.sha256(payload).hexdigest()
 
 
-def layout_version(trainer_maps: str, workers: Sequence[tuple[int, int, str]], policy: object) -> str | None:
+def layout_version(
+    trainer_maps: str,
+    workers: Sequence[tuple[int, int, str]],
+    policy: object,
+    places: Mapping[int, tuple[str, int]] | None = None,
+) -> str | None:
     """The version of a sync's layout: a digest of the trainer's maps digest, each worker's (global rank,
-    described rank, maps digest) and the replica policy. None for a callable policy (not comparable)."""
+    described rank, maps digest), the replica policy and which ranks share a process or a host (``places``:
+    rank -> (host, pid); the balanced policy prefers near holders). None for a callable policy (not
+    comparable)."""
     if not isinstance(policy, str):
         return None
-    text = json.dumps([trainer_maps, sorted(workers), policy], separators=(",", ":"))
+    text = json.dumps([trainer_maps, sorted(workers), policy, *locality(places or {})], separators=(",", ":"))
     return hashlib.sha256(text.encode()).hexdigest()
+
+
+def locality(places: Mapping[int, tuple[str, int]]) -> tuple[list[list[int]], list[list[int]]]:
+    """The ranks that share a process, and those that share a host (groups of two or more, sorted): what
+    the plan depends on, not the pids themselves."""
+    by_process: dict[tuple[str, int], list[int]] = defaultdict(list)
+    by_host: dict[str, list[int]] = defaultdict(list)
+    for rank, (host, pid) in places.items():
+        by_process[(host, pid)].append(rank)
+        by_host[host].append(rank)
+    groups = lambda d: sorted(sorted(g) for g in d.values() if len(g) > 1)  # noqa: E731
+    return groups(by_process), groups(by_host)
 
 
 class PlanCache:
@@ -106,6 +125,15 @@ def coordinate(
                     f"(maps digest {str(p.fields.get('maps_digest'))[:12]}, rank 0 has {expected[:12]})"
                 )
         rollout = [p for p in peers if p.role == ROLLOUT]
+        places = {
+            coord.global_rank(p): (str(p.fields.get("host", "")), int(p.fields.get("pid", 0) or 0))
+            for p in peers
+            if p.fields.get("host")
+        }
+        if policy == "balanced":  # nearest holders first (a colocated trainer rank copies in its own process)
+            policy_used: ReplicaPolicy = Balanced(places)
+        else:
+            policy_used = policy
         version = layout_version(
             expected,
             [
@@ -113,6 +141,7 @@ def coordinate(
                 for p in rollout
             ],
             policy,
+            places,
         )
 
         def build() -> Plan:
@@ -128,7 +157,7 @@ def coordinate(
                         )
                     parts[m.name].append(alone(m, described, rank))
             targets = [merge(ms) for _, ms in sorted(parts.items())]
-            return plan_model(sources, targets, policy=policy)
+            return plan_model(sources, targets, policy=policy_used)
 
         plan, reused = cache.get_or_build(version, build) if cache is not None else (build(), False)
         world = coord.world_size

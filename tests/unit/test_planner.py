@@ -255,6 +255,19 @@ def test_balanced_counts_load_across_the_whole_model():
     assert [s.source_rank for s in plan.segments] == [0, 1]
 
 
+def test_balanced_with_places_serves_each_target_from_a_holder_in_its_own_process_then_its_host():
+    # TRL's colocate mode: trainer rank r and vLLM worker 2 + r share a process; ranks 4, 5 are on host b
+    places = {0: ("a", 10), 1: ("a", 11), 2: ("a", 10), 3: ("a", 11), 4: ("b", 20), 5: ("b", 21), 6: ("b", 22)}
+    sources = [whole("w", (8, 4), [0, 1, 4])]
+    targets = [rows("w", (8, 4), [2, 3, 5, 6])]
+    plan = plan_model(sources, targets, Balanced(places))
+    pairs = {(s.source_rank, s.target_rank) for s in plan.segments}
+    assert pairs == {(0, 2), (1, 3), (4, 5), (4, 6)}
+    # without places the same plan spreads the load over every holder
+    spread = plan_model(sources, targets, "balanced")
+    assert {s.source_rank for s in spread.segments} == {0, 1, 4}
+
+
 def test_a_callable_policy_sees_the_tensor_the_target_rank_the_box_and_the_holders():
     seen = []
 
