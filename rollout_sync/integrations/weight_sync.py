@@ -185,13 +185,12 @@ class WeightSync:
             background.join(self.timeout + 30.0)
 
     def in_process_bytes(self, result: SyncResult) -> int:
-        """Bytes this rank sent to ranks in its own process (in-process copies, no process group)."""
-        local = self.trainer.endpoint.in_process if self.trainer is not None else frozenset()
-        return sum(n for peer, n in result.stats.bytes_sent.items() if peer in local)
+        """Bytes ranks in this process copied straight from this rank's storages (handoffs, no message)."""
+        return sum(result.stats.bytes_handed.values())
 
     def summary(self) -> dict[str, Any]:
-        """Per-process figures: syncs, their seconds (median, each), the last sync's bytes sent and how many of
-        them went to ranks in this process, its version."""
+        """Per-process figures: syncs, their seconds (median, each), the last sync's bytes sent over the process
+        group and bytes handed to ranks in this process (copied in memory), its version."""
         seconds = [r.seconds for r in self.history]
         last = self.history[-1] if self.history else None
         return {

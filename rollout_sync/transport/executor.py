@@ -118,6 +118,7 @@ class _Program:
     bytes_sent: dict[int, int]
     bytes_received: dict[int, int]
     local_bytes: int
+    bytes_handed: dict[int, int]
 
 
 def _torch_dtype(name: str) -> torch.dtype:
@@ -161,8 +162,21 @@ def _compile(half: PlanHalf, schedule: Schedule) -> _Program:
         bytes_received[m.peer] = bytes_received.get(m.peer, 0) + _payload(entry[1])
     local = [*schedule.local, *(s for _, segments in schedule.handoff_from for s in segments)]
     local_bytes = sum(s.numel * itemsize(half.tensors[s.tensor].target_dtype) for s in local)
+    bytes_handed: dict[int, int] = {}
+    for s in half.sends:
+        if s.target_rank in schedule.handoff_to:
+            n = s.numel * itemsize(half.tensors[s.tensor].target_dtype)
+            bytes_handed[s.target_rank] = bytes_handed.get(s.target_rank, 0) + n
     return _Program(
-        schedule, sends, receives, direct_sends, direct_receives, bytes_sent, bytes_received, local_bytes
+        schedule,
+        sends,
+        receives,
+        direct_sends,
+        direct_receives,
+        bytes_sent,
+        bytes_received,
+        local_bytes,
+        bytes_handed,
     )
 
 
@@ -368,6 +382,7 @@ class Executor:
             peak_staging_bytes=self.arena.allocated_bytes,
             staging_cap_bytes=self.options.staging_cap_bytes,
             seconds=clock.seconds,
+            bytes_handed=dict(program.bytes_handed),
         )
 
     def _default_device(self) -> torch.device:

@@ -31,7 +31,10 @@ class ExecuteOptions:
 
 @dataclass(frozen=True, slots=True)
 class SyncStats:
-    """What one rank did in one sync. Byte counts are payload bytes on the wire (``schedule.wire_dtype``)."""
+    """What one rank did in one sync. Byte counts are payload bytes on the wire (``schedule.wire_dtype``);
+    ``bytes_handed``: per peer in this process, the bytes (in the target's dtype) that peer copied straight
+    from this rank's sources (handoffs, no message); ``local_bytes`` counts this rank's copies within
+    itself and from peers in its process."""
 
     rank: int
     bytes_sent: dict[int, int]
@@ -43,6 +46,7 @@ class SyncStats:
     peak_staging_bytes: int
     staging_cap_bytes: int
     seconds: dict[str, float] = field(default_factory=dict)
+    bytes_handed: dict[int, int] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -56,4 +60,5 @@ class SyncStats:
             "peak_staging_bytes": self.peak_staging_bytes,
             "staging_cap_bytes": self.staging_cap_bytes,
             "seconds": dict(self.seconds),
+            "bytes_handed": {str(k): v for k, v in self.bytes_handed.items()},
         }
