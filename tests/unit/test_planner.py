@@ -257,7 +257,15 @@ def test_balanced_counts_load_across_the_whole_model():
 
 def test_balanced_with_places_serves_each_target_from_a_holder_in_its_own_process_then_its_host():
     # TRL's colocate mode: trainer rank r and vLLM worker 2 + r share a process; ranks 4, 5 are on host b
-    places = {0: ("a", 10), 1: ("a", 11), 2: ("a", 10), 3: ("a", 11), 4: ("b", 20), 5: ("b", 21), 6: ("b", 22)}
+    places = {
+        0: ("a", 10),
+        1: ("a", 11),
+        2: ("a", 10),
+        3: ("a", 11),
+        4: ("b", 20),
+        5: ("b", 21),
+        6: ("b", 22),
+    }
     sources = [whole("w", (8, 4), [0, 1, 4])]
     targets = [rows("w", (8, 4), [2, 3, 5, 6])]
     plan = plan_model(sources, targets, Balanced(places))
