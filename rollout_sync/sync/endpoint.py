@@ -25,8 +25,9 @@ from ..transport import ExecuteOptions, Executor, SyncStats
 from ..transport.executor import TargetStream
 from ..transport.groups import connect_store, new_group
 from ..transport.in_process import InProcess
+from ..transport.shared_memory import SameHost
 from .commit import commit
-from .roster import RosterEntry, blame, decode_roster, in_process_peers, this_process
+from .roster import RosterEntry, blame, decode_roster, in_process_peers, same_host_peers, this_process
 
 TOKEN_ENV = "ROLLOUT_SYNC_TOKEN"
 
@@ -73,7 +74,9 @@ class Endpoint:
         self.device = device
         self.in_process = in_process_peers(rank, self.roster)
         self.local = InProcess(group_id, rank, self.in_process) if self.in_process else None
-        self.executor = Executor(group, options, self.local)
+        same_host = same_host_peers(rank, self.roster)
+        self.same_host = SameHost(group_id, rank, same_host) if same_host and group_id else None
+        self.executor = Executor(group, options, self.local, self.same_host)
 
     @classmethod
     def join(
@@ -149,6 +152,8 @@ class Endpoint:
         self.closed = True
         if self.local is not None:
             self.local.leave("its endpoint closed")
+        if self.executor is not None:
+            self.executor.close()  # the shared segments it made
         group, self.group = self.group, None
         self.executor = None  # type: ignore[assignment]
         # NCCL: abort (a shutdown may wait on a dead peer); gloo: shutdown (both return at once there).

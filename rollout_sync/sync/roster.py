@@ -25,6 +25,7 @@ __all__ = [
     "encode_roster",
     "in_process_peers",
     "process_gone",
+    "same_host_peers",
     "this_process",
 ]
 
@@ -60,6 +61,17 @@ def in_process_peers(rank: int, roster: Mapping[int, RosterEntry]) -> frozenset[
     return frozenset(
         r for r, e in roster.items() if r != rank and e.host == me["host"] and e.pid == me["pid"]
     )
+
+
+def same_host_peers(rank: int, roster: Mapping[int, RosterEntry]) -> dict[int, int]:
+    """The ranks of the roster on this host in other processes, with their pids: their messages' bytes can
+    go through shared memory."""
+    me = this_process()
+    return {
+        r: e.pid
+        for r, e in roster.items()
+        if r != rank and e.host == me["host"] and e.pid and e.pid != me["pid"]
+    }
 
 
 def encode_roster(entries: Sequence[RosterEntry]) -> list[list[Any]]:

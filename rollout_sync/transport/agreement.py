@@ -11,7 +11,7 @@ Record layout (little endian, ``RECORD_BYTES`` bytes)::
 
     0   4  magic b"RSX" + format version
     4   4  group rank           8   4  half rank (-1: none)
-    12  1  status (0 ready, 1 refused)      13  1  flags (bit 0 zero_copy, bit 1 overlap)
+    12  1  status (0 ready, 1 refused)      13  1  flags (bit 0 zero_copy, bit 1 overlap, bit 2 shared_memory)
     14  2  reason length        16  32 sha256 of the plan digest
     48  16 table hash           64  8  sum of sent segment hashes      72  8  sum of received ones
     80  8  wanted message bytes 88  8  staging cap bytes
@@ -54,6 +54,7 @@ class Record:
     message_bytes: int
     staging_cap_bytes: int
     reason: str
+    shared_memory: bool = False
     magic: bytes = _MAGIC
 
 
@@ -65,7 +66,7 @@ def encode(r: Record) -> bytes:
         r.group_rank,
         r.half_rank,
         int(r.refused),
-        int(r.zero_copy) | int(r.overlap) << 1,
+        int(r.zero_copy) | int(r.overlap) << 1 | int(r.shared_memory) << 2,
         len(reason),
         r.digest_sha,
         r.table_hash,
@@ -91,6 +92,7 @@ def decode(data: bytes) -> Record:
         refused=bool(status),
         zero_copy=bool(flags & 1),
         overlap=bool(flags & 2),
+        shared_memory=bool(flags & 4),
         digest_sha=dsha,
         digest_prefix=prefix.rstrip(b"\0").decode("utf-8", "replace"),
         table_hash=thash,
@@ -152,10 +154,12 @@ def decide(records: Sequence[Record]) -> list[int]:
             _PREFIX + f"{_verb(odd, 'holds', 'hold')} a tensor table that differs from "
             f"that of {_ranks(groups[0])}, under the same plan digest"
         )
-    groups = _split_by(records, lambda rec: (rec.zero_copy, rec.overlap))
+    groups = _split_by(records, lambda rec: (rec.zero_copy, rec.overlap, rec.shared_memory))
     if len(groups) > 1:
         described = ", ".join(
-            f"{_ranks(g)} zero_copy={records[g[0]].zero_copy} overlap={records[g[0]].overlap}" for g in groups
+            f"{_ranks(g)} zero_copy={records[g[0]].zero_copy} overlap={records[g[0]].overlap} "
+            f"shared_memory={records[g[0]].shared_memory}"
+            for g in groups
         )
         raise PlanMismatchError(_PREFIX + f"ranks run the executor with different options: {described}")
     sent = sum(rec.sent_sum for rec in records) & MASK64

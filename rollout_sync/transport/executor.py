@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -66,6 +66,7 @@ from .schedule import (
     wanted_message_bytes,
     wire_dtype,
 )
+from .shared_memory import SameHost, SharedSlots, sweep_stale
 from .staging import StagingArena
 from .stats import ExecuteOptions, SyncStats
 
@@ -207,15 +208,27 @@ class Executor:
     """
 
     def __init__(
-        self, group: Any, options: ExecuteOptions | None = None, local: InProcess | None = None
+        self,
+        group: Any,
+        options: ExecuteOptions | None = None,
+        local: InProcess | None = None,
+        same_host: SameHost | None = None,
     ) -> None:
         self.group = group
-        self.local = local  # ranks of this group in this process: their messages are in-process copies
+        self.local = local  # ranks of this group in this process: their segments are handoffs
         self.options = options or ExecuteOptions()
         self.rank = group_rank(group)
         self.world = group_size(group)
         self.backend = group_backend(group)
         self.arena = StagingArena()
+        # ranks on this host in other processes: their messages' bytes go through shared slots (CPU, gloo)
+        use = same_host is not None and self.backend == "gloo" and self.options.shared_memory
+        self.shared_slots = SharedSlots(same_host) if use and same_host is not None else None
+        self.shared: frozenset[int] = frozenset()
+        if self.shared_slots is not None:
+            self.shared = frozenset(self.shared_slots.same_host.peers) - (
+                local.peers if local else frozenset()
+            )
         self._cached: tuple[tuple[Any, ...], _Program] | None = None
         self._fingerprints: tuple[PlanHalf, bytes, tuple[int, int]] | None = None
         self._checked: PlanHalf | None = None
@@ -289,6 +302,7 @@ class Executor:
             refused=reason is not None,
             zero_copy=self.options.zero_copy,
             overlap=self.options.overlap,
+            shared_memory=self.options.shared_memory,
             digest_sha=agreement.digest_sha(digest),
             digest_prefix=digest[:16],
             table_hash=thash,
@@ -316,12 +330,18 @@ class Executor:
             self.depth,
             self.options.zero_copy,
             self.in_process,
+            self.shared,
         )
         cached = self._cached
         if cached is not None and cached[0] == key:
             return cached[1]
         schedule = build_schedule(
-            half, sizes, zero_copy=self.options.zero_copy, depth=self.depth, in_process=self.in_process
+            half,
+            sizes,
+            zero_copy=self.options.zero_copy,
+            depth=self.depth,
+            in_process=self.in_process,
+            shared=self.shared,
         )
         program = _compile(half, schedule)
         self._cached = (key, program)  # one plan at a time: a new plan replaces the old
@@ -354,16 +374,19 @@ class Executor:
         program = self._program(half, offers)
         schedule = program.schedule
         arena = self.arena.reserve(schedule.staging_bytes, device, self.options.staging_cap_bytes)
+        segments = self._shared_segments(half, schedule, offers)
         t = clock.add("schedule", t)
         with torch.no_grad():
             streamed = _Targets(targets, stream, half, program)
             transport = transport_for(
-                self.group, self.backend, self.rank, self.options.timeout, device, self.local
+                self.group, self.backend, self.rank, self.options.timeout, device, self.local, self.shared
             )
             taken: set[int] = set()  # in-process peers whose handoff this rank took
             try:
-                self._transfer(half, program, arena, sources, streamed, transport, taken, clock)
+                self._transfer(half, program, arena, segments, sources, streamed, transport, taken, clock)
             except BaseException as e:
+                if self.shared_slots is not None:  # segments a dead peer made and nobody opened
+                    sweep_stale(self.shared_slots.directory)
                 for peer, _ in schedule.handoff_from:
                     if peer not in taken:  # its sender must not wait for the timeout
                         transport.decline(
@@ -379,11 +402,36 @@ class Executor:
             messages_sent=len(schedule.sends),
             messages_received=len(schedule.receives),
             rounds=schedule.rounds,
-            peak_staging_bytes=self.arena.allocated_bytes,
+            peak_staging_bytes=self.arena.allocated_bytes + self.shared_bytes,
             staging_cap_bytes=self.options.staging_cap_bytes,
             seconds=clock.seconds,
             bytes_handed=dict(program.bytes_handed),
         )
+
+    @property
+    def shared_bytes(self) -> int:
+        """Bytes of shared slots this rank made (its send slots to same-host peers)."""
+        return 0 if self.shared_slots is None else self.shared_slots.created_bytes
+
+    def _shared_segments(
+        self, half: PlanHalf, schedule: Schedule, offers: list[int]
+    ) -> _SharedSegments | None:
+        if self.shared_slots is None or not schedule.shared_bytes:
+            return None
+        slots = self.shared_slots
+
+        def key(peer: int) -> str:  # the same on both ends of the pair
+            return f"{half.digest}:{min(offers[self.rank], offers[peer])}:{schedule.depth}"
+
+        for (direction, peer), nbytes in schedule.shared_bytes.items():
+            if direction == "send":  # made before the first signal, so the peer finds it
+                slots.send_segment(peer, nbytes, key(peer))
+        return _SharedSegments(slots, schedule, key)
+
+    def close(self) -> None:
+        """Release what this executor holds beyond its arena: the shared segments it made."""
+        if self.shared_slots is not None:
+            self.shared_slots.close()
 
     def _default_device(self) -> torch.device:
         if self.backend == "nccl":
@@ -395,6 +443,7 @@ class Executor:
         half: PlanHalf,
         program: _Program,
         arena: torch.Tensor,
+        segments: _SharedSegments | None,
         sources: Mapping[str, torch.Tensor],
         targets: _Targets,
         transport: Transport,
@@ -408,8 +457,13 @@ class Executor:
         pending_recv: dict[int, list[Pending]] = {}
         pending_send: dict[int, list[Pending]] = {}
 
+        acks: list[Pending] = []  # "slot free" signals to same-host peers
+
         def slot(direction: str, m: Message) -> torch.Tensor:
             offset, _ = schedule.slot(direction, m)
+            if m.peer in self.shared:
+                assert segments is not None
+                return segments.of(direction, m.peer)[offset : offset + m.nbytes]
             return arena[offset : offset + m.nbytes]
 
         def direct_view(storage: torch.Tensor, parts: tuple[_PartProgram, ...]) -> torch.Tensor:
@@ -471,8 +525,10 @@ class Executor:
             """Round ``r`` of packed messages: post its receives, pack and post its sends."""
             t = time.perf_counter()
             label = f"round {r}"
+            # a shared slot is read after the peer's signal (its segment may not exist before)
             recv_ops = [
-                Op("recv", slot("recv", m), m.peer, m.tag, label) for m, _ in program.receives.get(r, ())
+                Op("recv", _SIGNAL_ONLY if m.peer in self.shared else slot("recv", m), m.peer, m.tag, label)
+                for m, _ in program.receives.get(r, ())
             ]
             send_ops = []
             if not coalesced:
@@ -514,9 +570,9 @@ class Executor:
                 torch.as_strided(src, s.extent, s.source_strides, src.storage_offset() + s.source_offset)
             )
             targets.landed(tensor.name)
-        for peer, segments in schedule.handoff_from:
+        for peer, handed in schedule.handoff_from:
             taken.add(peer)
-            _copy_handoff(transport, peer, segments, half, targets)
+            _copy_handoff(transport, peer, handed, half, targets)
         clock.add("local", t)
         for r in range(rounds):
             t = time.perf_counter()
@@ -524,6 +580,9 @@ class Executor:
             t = clock.add("wait", t)
             for m, parts in program.receives.get(r, ()):
                 _unpack(slot("recv", m), parts, targets)
+                ack = transport.consumed(m.peer, m.tag, f"round {r}")
+                if ack is not None:
+                    acks.append(ack)
             t = clock.add("unpack", t)
             if r + depth < rounds:
                 transport.wait(pending_send.pop(r, []))  # its slots are reused by round r + depth
@@ -538,7 +597,27 @@ class Executor:
         for r in sorted(pending_send):
             transport.wait(pending_send.pop(r))
         transport.wait(offered)
+        transport.wait(acks)
         clock.add("wait", t)
+
+
+_SIGNAL_ONLY = torch.empty(0, dtype=torch.uint8)  # the buffer of a receive whose bytes are in a shared slot
+
+
+class _SharedSegments:
+    """The shared segments of one transfer: made (send) at schedule time, opened (recv) at first use, after
+    the peer's first signal."""
+
+    def __init__(self, slots: SharedSlots, schedule: Schedule, key: Callable[[int], str]) -> None:
+        self.slots = slots
+        self.schedule = schedule
+        self.key = key
+
+    def of(self, direction: str, peer: int) -> torch.Tensor:
+        nbytes = self.schedule.shared_bytes[(direction, peer)]
+        if direction == "send":
+            return self.slots.send_segment(peer, nbytes, self.key(peer))
+        return self.slots.recv_segment(peer, nbytes, self.key(peer))
 
 
 def _copy_handoff(

@@ -59,13 +59,38 @@ class Transport:
     process (``local``) are copied through the in-process mailbox instead."""
 
     def __init__(
-        self, group: Any, rank: int, timeout: float, device: torch.device, local: InProcess | None = None
+        self,
+        group: Any,
+        rank: int,
+        timeout: float,
+        device: torch.device,
+        local: InProcess | None = None,
+        shared: frozenset[int] = frozenset(),
     ) -> None:
         self.group = group
         self.rank = rank
         self.timeout = timeout
         self.device = device
         self.local = local
+        self.shared = shared  # peers whose message bytes sit in shared slots: only signals cross the group
+
+    def _signal(self, kind: str, peer: int, tag: int, label: str) -> Pending:
+        """An 8-byte message: "tag packed" (a send) or "tag unpacked, its slot is free" (tag + 1)."""
+        op = Op(kind, torch.zeros(1, dtype=torch.int64), peer, tag, label)
+        try:
+            if kind == "send":
+                work = self.group.send([op.tensor], peer, tag)
+            else:
+                work = self.group.recv([op.tensor], peer, tag)
+        except RuntimeError as e:
+            raise self._error(kind, peer, label, str(e)) from e
+        return Pending(work, peer, kind, label)
+
+    def consumed(self, peer: int, tag: int, label: str) -> Pending | None:
+        """This rank unpacked message ``tag`` from a shared slot of ``peer``: tell the peer the slot is free."""
+        if peer not in self.shared:
+            return None
+        return self._signal("send", peer, tag + 1, label)
 
     def is_local(self, op: Op) -> bool:
         return self.local is not None and op.peer in self.local.peers
@@ -101,6 +126,11 @@ class Transport:
         for op in ops:
             if self.is_local(op):
                 pending.append(self.post_local(op))
+                continue
+            if op.peer in self.shared:  # the bytes are in the shared slot already (send) or will be (recv)
+                pending.append(self._signal(op.kind, op.peer, op.tag, op.label))
+                if op.kind == "send":  # done only when the peer has unpacked it: the slot is free again
+                    pending.append(self._signal("recv", op.peer, op.tag + 1, op.label + " (slot freed)"))
                 continue
             try:
                 if op.kind == "send":
@@ -168,7 +198,8 @@ def transport_for(
     timeout: float,
     device: torch.device,
     local: InProcess | None = None,
+    shared: frozenset[int] = frozenset(),
 ) -> Transport:
     if backend == "nccl":
         return CoalescedTransport(group, rank, timeout, device, local)
-    return Transport(group, rank, timeout, device, local)
+    return Transport(group, rank, timeout, device, local, shared)

@@ -29,6 +29,10 @@ colocate mode) has no messages at all: its segments are a **handoff**. The sende
 storages, the receiver copies each segment straight from the sender's storage into its own (one cast-copy per
 element, no staging) and tells the sender when it is done.
 
+A pair on one host in two processes (``shared``) has no direct messages: every message is packed into a
+staging slot that lives in shared memory (``shared_memory``), so its slots are laid out per (direction,
+peer) segment (``shared_slots``, ``shared_bytes``) instead of in the rank's arena.
+
 The **wire dtype** of a packed segment (``wire_dtype``) is the narrower of its source and target floating
 dtypes: a trainer's fp32 weights for a bf16 vLLM travel as bf16, half the bytes. The sender casts while
 packing (``tensor.to(dtype)`` semantics, round to nearest even), the receiver copies; the result is the
@@ -39,7 +43,7 @@ and the receiver casts.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from math import prod
 
 from ..layout.dtypes import ITEMSIZE, itemsize
@@ -132,6 +136,8 @@ class Schedule:
     """What one rank does in one sync.
 
     ``sends`` / ``receives`` are sorted by ``(direct, round, peer)``; ``rounds`` counts packed rounds.
+    ``shared_slots`` / ``shared_bytes``: the slots of ``shared`` peers, as byte ranges in one segment per
+    ``(direction, peer)``, and each segment's size.
     ``handoff_to``: the in-process peers this rank offers its sources to; ``handoff_from``: per in-process
     peer that sends to this rank, the segments this rank copies from that peer's storages (canonical order).
     ``slots`` gives each staging slot's
@@ -149,9 +155,14 @@ class Schedule:
     staging_bytes: int
     handoff_to: tuple[int, ...] = ()
     handoff_from: tuple[tuple[int, tuple[Segment, ...]], ...] = ()
+    shared_slots: Mapping[tuple[str, int, int], tuple[int, int]] = field(default_factory=dict)
+    shared_bytes: Mapping[tuple[str, int], int] = field(default_factory=dict)
 
     def slot(self, direction: str, message: Message) -> tuple[int, int]:
-        return self.slots[(direction, message.peer, message.round % self.depth)]
+        """The byte range of ``message``'s slot: in the arena, or in its pair's shared segment."""
+        key = (direction, message.peer, message.round % self.depth)
+        found = self.slots.get(key)
+        return found if found is not None else self.shared_slots[key]
 
 
 def segment_key(s: Segment) -> tuple[object, ...]:
@@ -295,9 +306,10 @@ def build_schedule(
     zero_copy: bool = True,
     depth: int = 2,
     in_process: frozenset[int] = frozenset(),
+    shared: frozenset[int] = frozenset(),
 ) -> Schedule:
     """The schedule of ``half`` given the agreed message size with each peer; segments with a peer in
-    ``in_process`` become handoffs."""
+    ``in_process`` become handoffs; peers in ``shared`` get no direct messages and shared slots."""
     if depth not in (1, 2):
         raise ValueError(f"depth must be 1 or 2, not {depth}")
     by_peer_out: dict[int, list[Segment]] = {}
@@ -319,7 +331,8 @@ def build_schedule(
     slot_sizes: dict[tuple[str, int, int], int] = {}
     for direction, by_peer, out in (("send", by_peer_out, sends), ("recv", by_peer_in, receives)):
         for peer in sorted(by_peer):
-            msgs = pair_messages(half, by_peer[peer], peer, message_bytes[peer], zero_copy=zero_copy)
+            direct = zero_copy and peer not in shared
+            msgs = pair_messages(half, by_peer[peer], peer, message_bytes[peer], zero_copy=direct)
             out.extend(msgs)
             for m in msgs:
                 if not m.direct:
@@ -329,8 +342,16 @@ def build_schedule(
     sends.sort(key=order)
     receives.sort(key=order)
     slots: dict[tuple[str, int, int], tuple[int, int]] = {}
+    shared_slots: dict[tuple[str, int, int], tuple[int, int]] = {}
+    shared_bytes: dict[tuple[str, int], int] = {}
     offset = 0
     for key in sorted(slot_sizes):
+        direction, peer, _ = key
+        if peer in shared:
+            at = shared_bytes.get((direction, peer), 0)
+            shared_slots[key] = (at, slot_sizes[key])
+            shared_bytes[(direction, peer)] = at + slot_sizes[key]
+            continue
         slots[key] = (offset, slot_sizes[key])
         offset += slot_sizes[key]
     rounds = max((m.round + 1 for m in (*sends, *receives) if not m.direct), default=0)
@@ -344,6 +365,8 @@ def build_schedule(
         slots=slots,
         staging_bytes=offset,
         handoff_to=tuple(sorted(handoff_to)),
+        shared_slots=shared_slots,
+        shared_bytes=shared_bytes,
         handoff_from=tuple(
             (peer, tuple(sorted(segments, key=segment_key))) for peer, segments in sorted(handoff_in.items())
         ),

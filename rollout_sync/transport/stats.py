@@ -21,6 +21,9 @@ class ExecuteOptions:
     """Pack the next round while the current one is on the wire (two slots per peer and direction)."""
     zero_copy: bool = True
     """Send dense same-dtype segments straight from source storage into target storage, unstaged."""
+    shared_memory: bool = True
+    """Between ranks on one host in different processes (CPU, gloo), stage messages in shared memory and
+    send only signals over the group (``shared_memory``); off: every byte goes over the group."""
 
     def __post_init__(self) -> None:
         if self.staging_cap_bytes <= 0:

@@ -1,0 +1,122 @@
+"""Ranks on one host in different processes: staged messages' bytes go through shared slots in /dev/shm
+(only 8-byte signals cross gloo). Random planner plans are exact, staging (arena plus the shared slots a
+rank made) stays under the cap, nothing is left in /dev/shm while syncs run or after a rank was killed."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import time
+from collections.abc import Mapping
+
+import pytest
+import torch
+from test_executor import OPTION_SETS, _DiesOnAccess
+from test_executor_layouts import (
+    bitwise_equal,
+    expected_buffers,
+    random_scenario,
+    side_map,
+    source_storages,
+    target_buffers,
+)
+
+from rollout_sync.errors import PeerFailedError, SyncTimeoutError
+from rollout_sync.planning.planner import plan_model
+from rollout_sync.transport import ExecuteOptions, Executor
+from rollout_sync.transport.shared_memory import SHM_PREFIX, SameHost, shm_dir
+from tests.harness.ranks import run_on_ranks
+
+
+def _same_host(group, rank: int, world: int, group_id: str) -> SameHost:
+    """Every other rank (all run on this host), with its pid, learnt over the group."""
+    pids = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+    group.allgather([pids], [torch.tensor([os.getpid()])]).wait()
+    return SameHost(group_id, rank, {r: int(p) for r, p in enumerate(pids) if r != rank})
+
+
+def _ours(group_id: str) -> list[str]:
+    return sorted(p.name for p in shm_dir().glob(f"{SHM_PREFIX}*-{group_id}-*"))
+
+
+def _random(rank: int, world: int, group, seeds: list[int], group_id: str) -> list[dict]:
+    same_host = _same_host(group, rank, world, group_id)
+    out = []
+    for seed in seeds:
+        sc = random_scenario(seed, world)
+        half = sc.plan().half(rank)
+        sources = source_storages(sc, rank)
+        for options in OPTION_SETS:
+            executor = Executor(group, options, same_host=same_host)
+            for _ in range(2):
+                buffers, targets = target_buffers(sc, rank)
+                stats = executor.execute(half, sources, targets)
+                expected = expected_buffers(sc, rank)
+                wrong = sorted(n for n in expected if not bitwise_equal(expected[n], buffers[n]))
+                assert not wrong, f"seed {seed} rank {rank}: wrong target elements in {wrong}"
+            group.barrier().wait()  # every receiver has opened (and unlinked) what its senders made
+            out.append(
+                {
+                    "peak": stats.peak_staging_bytes,
+                    "cap": options.staging_cap_bytes,
+                    "shared": executor.shared_bytes,
+                    "sent": stats.bytes_sent,
+                    "received": stats.bytes_received,
+                    "left": _ours(group_id),
+                }
+            )
+            executor.close()
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_random_plans_through_shared_slots_are_exact_and_leave_nothing_in_dev_shm(world: int) -> None:
+    group_id = secrets.token_hex(6)
+    results = run_on_ranks(_random, world, [world * 10 + 1, world * 10 + 2], group_id, timeout=400)
+    for per_rank in results:
+        for r in per_rank:
+            assert r["peak"] <= r["cap"], r
+            assert r["left"] == [], r
+    assert any(r["shared"] > 0 for per_rank in results for r in per_rank)
+    for k in range(len(results[0])):
+        for rank in range(world):
+            for peer, n in results[rank][k]["sent"].items():
+                assert results[peer][k]["received"][rank] == n
+    assert _ours(group_id) == []
+
+
+def _killed(rank: int, world: int, group, timeout: float, group_id: str) -> tuple[str, float, str]:
+    import random as _random
+
+    same_host = _same_host(group, rank, world, group_id)
+    rng = _random.Random(0)
+    shape = (300, 200)
+    src = side_map("w", shape, "float32", "rows", list(range(world)), rng)
+    tgt = side_map("w", shape, "float32", "cols", list(range(world)), rng)
+    plan = plan_model([src], [tgt])
+    sources = {"w": torch.ones(src.ranks[rank].shape)}
+    targets: Mapping[str, torch.Tensor] = {"w": torch.full(tgt.ranks[rank].shape, float("nan"))}
+    if rank == world - 1:
+        targets = _DiesOnAccess(dict(targets), after=40)
+    start = time.monotonic()
+    executor = Executor(group, ExecuteOptions(staging_cap_bytes=4096, timeout=timeout), same_host=same_host)
+    try:
+        executor.execute(plan.half(rank), sources, targets)
+        return ("finished", time.monotonic() - start, "")
+    except (PeerFailedError, SyncTimeoutError) as e:
+        return (type(e).__name__, time.monotonic() - start, str(e))
+    finally:
+        executor.close()
+
+
+def test_a_rank_killed_mid_run_fails_the_others_in_time_and_leaves_nothing_in_dev_shm() -> None:
+    timeout = 10.0
+    world = 3
+    group_id = secrets.token_hex(6)
+    results = run_on_ranks(_killed, world, timeout, group_id, timeout=200, may_die={world - 1})
+    assert results[world - 1] is None
+    for rank in range(world - 1):
+        kind, elapsed, message = results[rank]
+        assert kind in ("PeerFailedError", "SyncTimeoutError"), results[rank]
+        assert elapsed < timeout + 5, results[rank]
+    assert _ours(group_id) == []
