@@ -18,13 +18,18 @@ replicated). Maps from ``rollout_sync.models`` (``trainer_maps``, ``vllm_target_
   full-size buffer), and each rollout rank copies its shard out (the weight loader's narrow + copy).
 - ``ceiling``: the bytes ours moves between each pair of ranks, as one preallocated packed buffer per
   pair, sent with raw ``send``/``recv``: transport only, no planning, no packing, no copies.
+- ``ours_same_host``: ours with the same-host transport (``transport.shared_memory``: every rank knows the
+  others run on this host; staged bytes go through shared slots, signals over gloo). ``ours`` above is the
+  gloo path (no rank knows where the others run).
+- ``memcpy_bound``: one copy of the bytes each rank receives (``bytes_received`` of ours), preallocated
+  buffer to buffer, on every rank at once: what moving those bytes through memory costs at the least.
 
 A sync's time is the slowest rank's, from a common barrier to that rank's return. Each method runs
 ``--warmup`` unmeasured syncs, then ``--syncs`` measured ones, the three methods interleaved; the median is
 reported. The first sync of ``ours`` and of ``baseline`` is checked element by element against the
 logical values (targets poisoned with NaN first). The last line with ``--json`` is one JSON object:
 ``ours_s, baseline_s, ceiling_s, bytes, rounds, peak_staging_bytes, staging_cap_bytes,
-baseline_peak_extra_bytes``.
+baseline_peak_extra_bytes, ours_same_host_s, memcpy_bound_s``.
 """
 
 from __future__ import annotations
@@ -32,6 +37,8 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
+import os
+import secrets
 import statistics
 import sys
 import time
@@ -40,6 +47,7 @@ from datetime import timedelta
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
+METHODS = ("ours", "ours_same_host", "baseline", "ceiling", "memcpy_bound")
 TRAINER = (0, 1)
 ROLLOUT = (2, 3)
 WORLD = 4
@@ -185,6 +193,12 @@ class _Rank:
     def ours(self) -> None:
         self.last = self.executor.execute(self.half, self.sources, self.targets)
 
+    def ours_same_host(self) -> None:
+        self.last_same_host = self.same_host_executor.execute(self.half, self.sources, self.targets)
+
+    def memcpy_bound(self) -> None:
+        self.copy_dst.copy_(self.copy_src)
+
     def baseline(self) -> None:
         import torch
 
@@ -226,12 +240,17 @@ class _Rank:
         import torch
 
         from ..transport import ExecuteOptions, Executor
+        from ..transport.shared_memory import SameHost
 
-        self.executor = Executor(
-            self.group,
-            ExecuteOptions(
-                staging_cap_bytes=self.args.cap_mib << 20, timeout=600, zero_copy=not self.args.no_zero_copy
-            ),
+        options = ExecuteOptions(
+            staging_cap_bytes=self.args.cap_mib << 20, timeout=600, zero_copy=not self.args.no_zero_copy
+        )
+        self.executor = Executor(self.group, options)
+        pids = [torch.zeros(1, dtype=torch.int64) for _ in range(WORLD)]
+        self.group.allgather([pids], [torch.tensor([os.getpid()])]).wait(timedelta(seconds=600))
+        peers = {r: int(p) for r, p in enumerate(pids) if r != self.rank}
+        self.same_host_executor = Executor(
+            self.group, options, same_host=SameHost(self.args.group_id, self.rank, peers)
         )
         # first syncs are checked
         self.tgt_flat.fill_(float("nan"))
@@ -239,22 +258,30 @@ class _Rank:
         ours_ok = self.verify()
         stats = self.last
         self.tgt_flat.fill_(float("nan"))
+        self.timed(self.ours_same_host)
+        same_host_ok = self.verify()
+        received = sum(stats.bytes_received.values())
+        self.copy_src = torch.ones(received, dtype=torch.uint8)
+        self.copy_dst = torch.zeros(received, dtype=torch.uint8)
+        self.tgt_flat.fill_(float("nan"))
         self.timed(self.baseline)
         baseline_ok = self.verify()
         # the ceiling moves exactly the bytes ours moved between each pair
         self.raw_send = {p: torch.empty(n, dtype=torch.uint8) for p, n in stats.bytes_sent.items()}
         self.raw_recv = {p: torch.empty(n, dtype=torch.uint8) for p, n in stats.bytes_received.items()}
-        times: dict[str, list[float]] = {"ours": [], "baseline": [], "ceiling": []}
+        times: dict[str, list[float]] = {name: [] for name in METHODS}
         for i in range(self.args.warmup + self.args.syncs):
-            for name in ("ours", "baseline", "ceiling"):
+            for name in METHODS:
                 t = self.timed(getattr(self, name))
                 if i >= self.args.warmup:
                     times[name].append(t)
         stats = self.last
+        self.same_host_executor.close()
         return {
             "rank": self.rank,
             "first_ours_s": first,
-            "verified": ours_ok and baseline_ok,
+            "verified": ours_ok and baseline_ok and same_host_ok,
+            "same_host_stats": self.last_same_host.to_dict(),
             "times": times,
             "stats": stats.to_dict(),
             "baseline_peak": self.baseline_peak,
@@ -328,9 +355,10 @@ def main(argv: list[str]) -> int:
     )
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds before the run is abandoned")
     args = parser.parse_args(argv)
+    args.group_id = secrets.token_hex(6)  # names the same-host run's shared segments
     results = _spawn(args)
     r0 = results[0]
-    med = {name: statistics.median(r0["times"][name]) for name in ("ours", "baseline", "ceiling")}
+    med = {name: statistics.median(r0["times"][name]) for name in METHODS}
     wire = sum(sum(r["stats"]["bytes_sent"].values()) for r in results)
     local = sum(r["stats"]["local_bytes"] for r in results)
     out = {
@@ -342,12 +370,15 @@ def main(argv: list[str]) -> int:
         "peak_staging_bytes": max(r["stats"]["peak_staging_bytes"] for r in results),
         "staging_cap_bytes": r0["stats"]["staging_cap_bytes"],
         "baseline_peak_extra_bytes": max(r["baseline_peak"] for r in results),
+        "ours_same_host_s": med["ours_same_host"],
+        "memcpy_bound_s": med["memcpy_bound"],
+        "same_host_peak_staging_bytes": max(r["same_host_stats"]["peak_staging_bytes"] for r in results),
     }
     print(
         f"model {r0['model_bytes'] / 2**20:.1f} MiB bf16, plan {r0['plan_segments']} segments, "
         f"{args.syncs} syncs after {args.warmup} warm-up, verified={all(r['verified'] for r in results)}"
     )
-    for name in ("ours", "baseline", "ceiling"):
+    for name in METHODS:
         runs = ", ".join(f"{t:.3f}" for t in r0["times"][name])
         print(f"{name:>8}: median {med[name]:.3f} s  [{runs}]")
     paired = statistics.median(
@@ -357,6 +388,14 @@ def main(argv: list[str]) -> int:
         f"baseline / ours {med['baseline'] / med['ours']:.2f}x, ours / ceiling {med['ours'] / med['ceiling']:.2f}x "
         f"(median of per-iteration ratios {paired:.2f}x), first ours sync {r0['first_ours_s']:.3f} s"
     )
+    print(
+        f"same host: ours_same_host / memcpy_bound {med['ours_same_host'] / med['memcpy_bound']:.2f}x, "
+        f"gloo path / same host {med['ours'] / med['ours_same_host']:.2f}x"
+    )
+    for r in results:
+        s = r["same_host_stats"]
+        phases = ", ".join(f"{k} {v * 1000:.1f}" for k, v in s["seconds"].items())
+        print(f"same host rank {r['rank']}: staging {s['peak_staging_bytes']} B; ms: {phases}")
     for r in results:
         s = r["stats"]
         phases = ", ".join(f"{k} {v * 1000:.1f}" for k, v in s["seconds"].items())
