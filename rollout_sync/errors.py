@@ -127,6 +127,11 @@ class StaleStorageError(PlanMismatchError):
         super().__init__(_describe(message, tensor, rank, None, expected, found))
 
 
+class BackendDeviceError(RolloutSyncError, ValueError):
+    """The sync group's backend cannot carry a rank's storages (gloo and CUDA tensors, NCCL and CPU
+    tensors). Refused by the coordinator at the handshake, on every rank, before any byte moves."""
+
+
 class PeerFailedError(RolloutSyncError, RuntimeError):
     """A peer failed, died or refused during a sync."""
 

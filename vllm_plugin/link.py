@@ -18,6 +18,7 @@ import torch
 
 from rollout_sync.rollout.apply import UpdateSession
 from rollout_sync.sync.rollout import RolloutLink
+from rollout_sync.sync.roster import device_kind
 from rollout_sync.transport import DEFAULT_STAGING_CAP_BYTES
 
 from .worker_state import RolloutWorker
@@ -69,6 +70,7 @@ def connect(
         token=token,
         timeout=timeout,
         staging_cap_bytes=staging_cap_bytes,
+        device=device_kind(worker.model.parameters()),
     )
 
 

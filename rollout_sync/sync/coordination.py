@@ -21,7 +21,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import PlanMismatchError
+from ..errors import BackendDeviceError, PlanMismatchError
 from ..handshake import ROLLOUT, TRAINER, Coordinator
 from ..layout.combine import alone, merge
 from ..layout.maps import TensorMap
@@ -51,6 +51,32 @@ def layout_version(
         return None
     text = json.dumps([trainer_maps, sorted(workers), policy, *locality(places or {})], separators=(",", ":"))
     return hashlib.sha256(text.encode()).hexdigest()
+
+
+BACKEND_DEVICES = {"gloo": "cpu", "nccl": "cuda"}
+
+
+def check_backend(backend: str, devices: Mapping[str, object]) -> None:
+    """Refuse (``BackendDeviceError``) a backend that cannot carry a peer's storage device (``devices``:
+    peer name -> the device type its hello reported; peers that report none are not checked)."""
+    want = BACKEND_DEVICES.get(backend)
+    if want is None:
+        raise BackendDeviceError(f"backend {backend!r} is not one of {sorted(BACKEND_DEVICES)}")
+    wrong = {name: d for name, d in devices.items() if d is not None and d != want}
+    if wrong:
+        listed = ", ".join(f"{name} holds {d} storages" for name, d in sorted(wrong.items()))
+        fits = {d: b for b, d in BACKEND_DEVICES.items()}
+        hint = "; ".join(
+            f"{d}: backend {fits[str(d)]!r}" for d in sorted({str(d) for d in wrong.values()}) if d in fits
+        )
+        raise BackendDeviceError(
+            f"the sync group's backend {backend!r} carries {want} tensors only: {listed}"
+            + (f" (use {hint})" if hint else "")
+        )
+
+
+def peer_name(p: Any) -> str:
+    return f"trainer rank {p.local_rank}" if p.role == TRAINER else f"engine {p.group} worker {p.local_rank}"
 
 
 def locality(places: Mapping[int, tuple[str, int]]) -> tuple[list[list[int]], list[list[int]]]:
@@ -124,6 +150,7 @@ def coordinate(
                     f"trainer rank {p.local_rank} describes its storage differently from trainer rank 0 "
                     f"(maps digest {str(p.fields.get('maps_digest'))[:12]}, rank 0 has {expected[:12]})"
                 )
+        check_backend(backend, {peer_name(p): p.fields.get("device") for p in peers})
         rollout = [p for p in peers if p.role == ROLLOUT]
         places = {
             coord.global_rank(p): (str(p.fields.get("host", "")), int(p.fields.get("pid", 0) or 0))

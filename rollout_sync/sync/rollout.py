@@ -50,10 +50,12 @@ class RolloutLink:
         token: str | None = None,
         timeout: float = 120.0,
         staging_cap_bytes: int = DEFAULT_STAGING_CAP_BYTES,
+        device: str | None = None,
     ) -> RolloutLink:
         """Join the handshake as worker ``local_rank`` of engine ``engine``. ``maps`` describe this worker's
         storage alone, under rank ``map_rank`` (default ``local_rank``); the coordinator renumbers it to the
-        worker's global rank."""
+        worker's global rank. ``device``: the device type of its storages (the coordinator checks the
+        group's backend carries it)."""
         map_rank = local_rank if map_rank is None else map_rank
         for m in maps:
             if set(m.ranks) - {map_rank}:
@@ -69,7 +71,7 @@ class RolloutLink:
             local_rank=local_rank,
             local_size=local_size,
             payload=encode_maps(list(maps)),
-            fields={"map_rank": map_rank},
+            fields={"map_rank": map_rank, "device": device},
             timeout=timeout,
             options=ExecuteOptions(staging_cap_bytes=staging_cap_bytes, timeout=timeout),
         )

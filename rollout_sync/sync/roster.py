@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 import re
 import socket
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,6 +22,7 @@ __all__ = [
     "RosterEntry",
     "blame",
     "decode_roster",
+    "device_kind",
     "encode_roster",
     "in_process_peers",
     "process_gone",
@@ -52,6 +53,15 @@ class RosterEntry:
 def this_process() -> dict[str, Any]:
     """The hello fields that let the coordinator name this process in a roster."""
     return {"host": socket.gethostname(), "pid": os.getpid()}
+
+
+def device_kind(tensors: Iterable[Any]) -> str | None:
+    """The device type of a rank's storages for its hello (``"cpu"``, ``"cuda"``; ``"cpu+cuda"`` when
+    mixed; None when it has none), so that the coordinator can check the backend carries it."""
+    kinds = {
+        t.device.type for t in tensors if getattr(t, "device", None) is not None and t.device.type != "meta"
+    }
+    return "+".join(sorted(kinds)) or None
 
 
 def in_process_peers(rank: int, roster: Mapping[int, RosterEntry]) -> frozenset[int]:

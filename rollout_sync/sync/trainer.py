@@ -33,6 +33,7 @@ from ..transport import DEFAULT_STAGING_CAP_BYTES, ExecuteOptions
 from .coordination import Coordinated, coordinate, maps_digest
 from .endpoint import Endpoint, SyncResult, resolve_token
 from .fresh_views import FreshViews
+from .roster import device_kind
 from .step_hook import StepHook
 
 
@@ -161,7 +162,7 @@ class TrainerSync:
                 local_rank=rank,
                 local_size=world_size,
                 payload=payload if rank == 0 else b"",
-                fields={"maps_digest": maps_digest(payload)},
+                fields={"maps_digest": maps_digest(payload), "device": device_kind(sources.values())},
                 timeout=timeout,
                 options=options,
             )

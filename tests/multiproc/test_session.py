@@ -42,7 +42,7 @@ def side_maps():
     return trainer_maps(model, 3, TRAINERS), vllm_target_maps(model, 1, WORKERS, first_rank=TRAINERS)
 
 
-def join(ctx, address: str, timeout: float):
+def join(ctx, address: str, timeout: float, worker_device: str | None = None):
     from rollout_sync.sync.rollout import RolloutLink
     from rollout_sync.sync.trainer import TrainerSync
 
@@ -65,7 +65,14 @@ def join(ctx, address: str, timeout: float):
         local = ctx.rank - TRAINERS
         mine = [local_part(m, ctx.rank, local) for m in targets if ctx.rank in m.ranks]
         link = RolloutLink.connect(
-            address, engine=0, local_rank=local, local_size=WORKERS, maps=mine, token=TOKEN, timeout=timeout
+            address,
+            engine=0,
+            local_rank=local,
+            local_size=WORKERS,
+            maps=mine,
+            token=TOKEN,
+            timeout=timeout,
+            device=worker_device,
         )
         ctx.state["side"] = link
         ctx.state["targets"] = {
@@ -136,6 +143,26 @@ def test_trainer_and_rollout_ranks_sync_every_element_and_agree_on_the_version(p
     assert pool.call(coordinator_reused_its_plan)[0] is True
     assert pool.call(sync, 9, 3) == [9, 9, 9, 9]
     assert pool.call(check, 3)[TRAINERS:] == [[], []]
+
+
+def join_refused(ctx, address: str, worker_device: str):
+    start = time.monotonic()
+    try:
+        join(ctx, address, 30, worker_device if ctx.rank == TRAINERS + 1 else None)
+    except Exception as exc:
+        return type(exc).__name__, str(exc), time.monotonic() - start
+    return ("joined",)
+
+
+def test_a_backend_that_cannot_carry_a_worker_s_device_is_refused_at_the_handshake_on_every_rank(pool):
+    """gloo handed CUDA tensors would send raw device pointers: the coordinator refuses before any group
+    is built, naming the worker, its device and the backend that would carry it."""
+    results = pool.call(join_refused, f"tcp://127.0.0.1:{free_port()}", "cuda")
+    assert results[0][0] == "BackendDeviceError", results[0]
+    for kind, message, elapsed in results:
+        assert kind in ("BackendDeviceError", "HandshakeError"), (kind, message)
+        assert "engine 0 worker 1 holds cuda storages" in message and "'nccl'" in message, message
+        assert elapsed < 20, elapsed
 
 
 def only_rollout_receives(ctx, timeout_expected: float):
