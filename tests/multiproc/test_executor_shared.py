@@ -119,4 +119,5 @@ def test_a_rank_killed_mid_run_fails_the_others_in_time_and_leaves_nothing_in_de
         kind, elapsed, message = results[rank]
         assert kind in ("PeerFailedError", "SyncTimeoutError"), results[rank]
         assert elapsed < timeout + 5, results[rank]
+        assert f"rank {rank}:" in message
     assert _ours(group_id) == []
