@@ -157,7 +157,7 @@ class Endpoint:
         group, self.group = self.group, None
         self.executor = None  # type: ignore[assignment]
         # NCCL: abort (a shutdown may wait on a dead peer); gloo: shutdown (both return at once there).
-        stop = getattr(group, "abort" if str(self.device).startswith("cuda") else "shutdown", None)
+        stop = getattr(group, "abort" if self.is_nccl else "shutdown", None)
         if callable(stop):
             with contextlib.suppress(Exception):
                 stop()
@@ -170,6 +170,10 @@ class Endpoint:
         first (the traceback keeps file, line and function), so that ``close`` destroys the group now."""
         traceback.clear_frames(exc.__traceback__)
         self.close()
+
+    @property
+    def is_nccl(self) -> bool:
+        return str(self.device).startswith("cuda")
 
     def _named(self, exc: BaseException) -> BaseException | None:
         """``exc`` again with the peers at fault named (``roster.blame``), or None if nothing to add."""
@@ -207,18 +211,23 @@ class Endpoint:
             raise  # raised on every rank by the agreement: no commit follows
         except (RolloutSyncError, RuntimeError) as exc:
             reason = f"{type(exc).__name__}: {exc}"
-            with contextlib.suppress(RolloutSyncError):
-                commit(
-                    self.group,
-                    rank=self.rank,
-                    world=self.world_size,
-                    trainer_ranks=self.trainer_ranks,
-                    version=version,
-                    ok=False,
-                    reason=reason,
-                    timeout=min(self.options.timeout, 10.0),
-                    device=self.device,
-                )
+            # NCCL: a failed or timed-out operation may have aborted the communicator (its watchdog does
+            # on a timeout), and a collective over an aborted communicator hangs or crashes the process:
+            # no failure commit there; the group is aborted below and every other rank's own wait fails.
+            # gloo: the failure commit tells the peers why, within 10 s.
+            if not self.is_nccl:
+                with contextlib.suppress(RolloutSyncError):
+                    commit(
+                        self.group,
+                        rank=self.rank,
+                        world=self.world_size,
+                        trainer_ranks=self.trainer_ranks,
+                        version=version,
+                        ok=False,
+                        reason=reason,
+                        timeout=min(self.options.timeout, 10.0),
+                        device=self.device,
+                    )
             named = self._named(exc)
             self._leave(exc)
             if named is not None:
