@@ -37,17 +37,20 @@ most ``staging_cap_bytes``.
 
 from __future__ import annotations
 
+import secrets
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any, Protocol
 
 import torch
 
+from ..errors import PeerFailedError
 from ..layout.dtypes import itemsize
 from ..planning.plan import PlanHalf, Segment
-from . import agreement
+from . import agreement, cross_memory
 from .fingerprint import pair_sums, table_hash
 from .groups import group_backend, group_rank, group_size
 from .in_process import InProcess
@@ -229,6 +232,9 @@ class Executor:
             self.shared = frozenset(self.shared_slots.same_host.peers) - (
                 local.peers if local else frozenset()
             )
+        self.pulls_from: frozenset[int] = frozenset()  # same-host peers this rank can read (probed)
+        self.pulled_by: frozenset[int] = frozenset()  # same-host peers that can read this rank
+        self._probed: set[int] = set()
         self._cached: tuple[tuple[Any, ...], _Program] | None = None
         self._fingerprints: tuple[PlanHalf, bytes, tuple[int, int]] | None = None
         self._checked: PlanHalf | None = None
@@ -331,6 +337,8 @@ class Executor:
             self.options.zero_copy,
             self.in_process,
             self.shared,
+            self.pulls_from,
+            self.pulled_by,
         )
         cached = self._cached
         if cached is not None and cached[0] == key:
@@ -342,6 +350,8 @@ class Executor:
             depth=self.depth,
             in_process=self.in_process,
             shared=self.shared,
+            pulls_from=self.pulls_from,
+            pulled_by=self.pulled_by,
         )
         program = _compile(half, schedule)
         self._cached = (key, program)  # one plan at a time: a new plan replaces the old
@@ -370,6 +380,7 @@ class Executor:
             device = self._default_device()
         t = clock.add("check", t)
         offers = self._agree(half, reason, wanted, device)
+        self._probe_pulls(half)
         t = clock.add("agree", t)
         program = self._program(half, offers)
         schedule = program.schedule
@@ -406,6 +417,7 @@ class Executor:
             staging_cap_bytes=self.options.staging_cap_bytes,
             seconds=clock.seconds,
             bytes_handed=dict(program.bytes_handed),
+            bytes_pulled=pulled_bytes(program, self.pulls_from),
         )
 
     @property
@@ -427,6 +439,49 @@ class Executor:
             if direction == "send":  # made before the first signal, so the peer finds it
                 slots.send_segment(peer, nbytes, key(peer))
         return _SharedSegments(slots, schedule, key)
+
+    def _probe_pulls(self, half: PlanHalf) -> None:
+        """Once per same-host peer this half exchanges bytes with: can each of the two read the other's
+        memory (``cross_memory``)? Both ends run it at the same sync (their halves mirror each other) and
+        learn both answers, so both build the same schedule."""
+        if self.shared_slots is None or not cross_memory.supported():
+            return
+        send_peers, recv_peers = peers_of(half, self.in_process)
+        peers = sorted((set(send_peers) | set(recv_peers)) & self.shared - self._probed)
+        if not peers:
+            return
+        cross_memory.allow_pulls()
+        timeout = timedelta(seconds=self.options.timeout)
+        magic = torch.tensor([secrets.randbits(62)], dtype=torch.int64)
+        mine = torch.tensor([magic.data_ptr(), int(magic)], dtype=torch.int64)
+        theirs = {p: torch.zeros(2, dtype=torch.int64) for p in peers}
+        answers = {p: torch.zeros(1, dtype=torch.int64) for p in peers}
+        works: list[Any] = []
+        try:
+            works += [self.group.send([mine], p, PROBE_TAG) for p in peers]
+            for w in [self.group.recv([theirs[p]], p, PROBE_TAG) for p in peers]:
+                w.wait(timeout)
+            readable = {}
+            for p in peers:
+                got = torch.zeros(1, dtype=torch.int64)
+                address, expected = (int(v) for v in theirs[p])
+                try:
+                    cross_memory.pull(self.shared_slots.same_host.peers[p], [(got.data_ptr(), address, 8)])
+                    readable[p] = int(got) == expected
+                except OSError:
+                    readable[p] = False
+            replies = {p: torch.tensor([int(readable[p])], dtype=torch.int64) for p in peers}
+            works += [self.group.send([replies[p]], p, PROBE_TAG + 1) for p in peers]
+            works += [self.group.recv([answers[p]], p, PROBE_TAG + 1) for p in peers]
+            for w in works:
+                w.wait(timeout)
+        except RuntimeError as e:
+            raise PeerFailedError(
+                f"rank {self.rank}: probing same-host peers {peers} for memory pulls failed: {e}"
+            ) from e
+        self._probed.update(peers)
+        self.pulls_from |= {p for p in peers if readable[p]}
+        self.pulled_by |= {p for p in peers if int(answers[p])}
 
     def close(self) -> None:
         """Release what this executor holds beyond its arena: the shared segments it made."""
@@ -484,7 +539,8 @@ class Executor:
             plan order with at most ``staging_cap_bytes`` in flight (waited here as the window moves)."""
             t = time.perf_counter()
             window: deque[tuple[Pending, str, int]] = deque()
-            receives = program.direct_receives
+            # direct messages of a same-host pair that pulls are not messages: the receiver pulls them
+            receives = [e for e in program.direct_receives if e[0].peer not in self.pulls_from]
             ops = [] if targets.streamed else [recv(m, parts) for m, parts in receives]
             ops += [
                 Op(
@@ -495,6 +551,7 @@ class Executor:
                     f"direct message {m.round}",
                 )
                 for m, parts in program.direct_sends
+                if m.peer not in self.pulled_by
             ]
             posted = transport.post(ops)
             if targets.streamed:
@@ -554,6 +611,7 @@ class Executor:
 
         # Handoffs first: a peer in this process copies from these sources while this rank goes on.
         offered = [transport.offer(peer, sources) for peer in schedule.handoff_to]
+        pulls = _Pulls(program, self.pulls_from, self.pulled_by, sources, transport)
         # Round 0 first: its receivers can unpack while the direct messages stream behind it (on one
         # connection per pair, messages leave in the order they are posted). Every rank issues in the
         # same order (round 0, direct, round 1, ...), which NCCL needs.
@@ -589,6 +647,9 @@ class Executor:
                 clock.add("wait", t)
                 post(r + depth)
         t = time.perf_counter()
+        if self.shared_slots is not None:
+            pulls.run(targets, self.shared_slots.same_host.peers)
+        t = clock.add("pull", t)
         transport.wait(direct)
         while window:
             pending, landed, _ = window.popleft()
@@ -598,7 +659,83 @@ class Executor:
             transport.wait(pending_send.pop(r))
         transport.wait(offered)
         transport.wait(acks)
+        transport.wait(pulls.pending)
         clock.add("wait", t)
+
+
+PROBE_TAG = 1 << 30
+"""Tags of the pull probe (and + 1 its answer), of a pull's address table (+ 2) and of its "pulled" signal
+(+ 3): above every message tag."""
+
+
+def pulled_bytes(program: _Program, pulls_from: frozenset[int]) -> dict[int, int]:
+    out: dict[int, int] = {}
+    for m, _ in program.direct_receives:
+        if m.peer in pulls_from:
+            out[m.peer] = out.get(m.peer, 0) + m.nbytes
+    return out
+
+
+class _Pulls:
+    """The direct messages of same-host pairs that pull. A sender sends, per peer, the address of each of
+    its source storages those messages read, and waits for the peer's "pulled"; a receiver takes the table,
+    pulls each message straight into its target storage, and signals."""
+
+    def __init__(
+        self,
+        program: _Program,
+        pulls_from: frozenset[int],
+        pulled_by: frozenset[int],
+        sources: Mapping[str, torch.Tensor],
+        transport: Transport,
+    ) -> None:
+        self.transport = transport
+        self.pending: list[Pending] = []
+        self.incoming: dict[int, list[tuple[Message, tuple[_PartProgram, ...]]]] = {}
+        for m, parts in program.direct_receives:
+            if m.peer in pulls_from:
+                self.incoming.setdefault(m.peer, []).append((m, parts))
+        outgoing: dict[int, set[str]] = {}
+        for m, parts in program.direct_sends:
+            if m.peer in pulled_by:
+                outgoing.setdefault(m.peer, set()).add(parts[0].name)
+        for peer, names in sorted(outgoing.items()):
+            table = torch.tensor([sources[n].data_ptr() for n in sorted(names)], dtype=torch.int64)
+            self.pending.append(transport.signal("send", peer, PROBE_TAG + 2, "pull table", table))
+            self.pending.append(transport.signal("recv", peer, PROBE_TAG + 3, "pulled"))
+        self.tables = {
+            peer: (
+                sorted({parts[0].name for _, parts in messages}),
+                torch.zeros(len({parts[0].name for _, parts in messages}), dtype=torch.int64),
+            )
+            for peer, messages in self.incoming.items()
+        }
+        self.table_work = {
+            peer: transport.signal("recv", peer, PROBE_TAG + 2, "pull table", table)
+            for peer, (_, table) in self.tables.items()
+        }
+
+    def run(self, targets: _Targets, pids: Mapping[int, int]) -> None:
+        for peer, messages in sorted(self.incoming.items()):
+            self.transport.wait([self.table_work[peer]])
+            names, table = self.tables[peer]
+            base = dict(zip(names, (int(v) for v in table), strict=True))
+            for m, parts in messages:
+                (p,) = parts
+                (src,) = part_copies(m.parts[0], "source")
+                (dst,) = p.copies
+                target = targets.get(p.name)
+                local = target.data_ptr() + dst.offset * target.element_size()
+                remote = base[p.name] + src.offset * target.element_size()
+                try:
+                    cross_memory.pull(pids[peer], [(local, remote, m.nbytes)])
+                except OSError as e:
+                    raise PeerFailedError(
+                        f"rank {self.transport.rank}: pulling direct message {m.round} from rank {peer} "
+                        f"(pid {pids[peer]}) failed: {e}"
+                    ) from e
+                targets.landed(p.name)
+            self.pending.append(self.transport.signal("send", peer, PROBE_TAG + 3, "pulled"))
 
 
 _SIGNAL_ONLY = torch.empty(0, dtype=torch.uint8)  # the buffer of a receive whose bytes are in a shared slot

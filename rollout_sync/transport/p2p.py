@@ -74,9 +74,12 @@ class Transport:
         self.local = local
         self.shared = shared  # peers whose message bytes sit in shared slots: only signals cross the group
 
-    def _signal(self, kind: str, peer: int, tag: int, label: str) -> Pending:
-        """An 8-byte message: "tag packed" (a send) or "tag unpacked, its slot is free" (tag + 1)."""
-        op = Op(kind, torch.zeros(1, dtype=torch.int64), peer, tag, label)
+    def signal(
+        self, kind: str, peer: int, tag: int, label: str, tensor: torch.Tensor | None = None
+    ) -> Pending:
+        """A small message over the group (8 bytes unless ``tensor`` is given): "tag packed", "tag unpacked,
+        its slot is free" (tag + 1), a pull's address table, "pulled"."""
+        op = Op(kind, torch.zeros(1, dtype=torch.int64) if tensor is None else tensor, peer, tag, label)
         try:
             if kind == "send":
                 work = self.group.send([op.tensor], peer, tag)
@@ -90,7 +93,7 @@ class Transport:
         """This rank unpacked message ``tag`` from a shared slot of ``peer``: tell the peer the slot is free."""
         if peer not in self.shared:
             return None
-        return self._signal("send", peer, tag + 1, label)
+        return self.signal("send", peer, tag + 1, label)
 
     def is_local(self, op: Op) -> bool:
         return self.local is not None and op.peer in self.local.peers
@@ -128,9 +131,9 @@ class Transport:
                 pending.append(self.post_local(op))
                 continue
             if op.peer in self.shared:  # the bytes are in the shared slot already (send) or will be (recv)
-                pending.append(self._signal(op.kind, op.peer, op.tag, op.label))
+                pending.append(self.signal(op.kind, op.peer, op.tag, op.label))
                 if op.kind == "send":  # done only when the peer has unpacked it: the slot is free again
-                    pending.append(self._signal("recv", op.peer, op.tag + 1, op.label + " (slot freed)"))
+                    pending.append(self.signal("recv", op.peer, op.tag + 1, op.label + " (slot freed)"))
                 continue
             try:
                 if op.kind == "send":

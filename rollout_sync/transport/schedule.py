@@ -29,9 +29,11 @@ colocate mode) has no messages at all: its segments are a **handoff**. The sende
 storages, the receiver copies each segment straight from the sender's storage into its own (one cast-copy per
 element, no staging) and tells the sender when it is done.
 
-A pair on one host in two processes (``shared``) has no direct messages: every message is packed into a
-staging slot that lives in shared memory (``shared_memory``), so its slots are laid out per (direction,
-peer) segment (``shared_slots``, ``shared_bytes``) instead of in the rank's arena.
+A pair on one host in two processes (``shared``) packs its messages into staging slots that live in shared
+memory (``shared_memory``), laid out per (direction, peer) segment (``shared_slots``, ``shared_bytes``)
+instead of in the rank's arena. Its direct segments exist only where the receiver can read the sender's
+memory (``pulls_from`` / ``pulled_by``, found by a probe): the receiver then pulls each one straight from
+the sender's source storage (``cross_memory``); elsewhere they are packed like the rest.
 
 The **wire dtype** of a packed segment (``wire_dtype``) is the narrower of its source and target floating
 dtypes: a trainer's fp32 weights for a bf16 vLLM travel as bf16, half the bytes. The sender casts while
@@ -307,9 +309,12 @@ def build_schedule(
     depth: int = 2,
     in_process: frozenset[int] = frozenset(),
     shared: frozenset[int] = frozenset(),
+    pulls_from: frozenset[int] = frozenset(),
+    pulled_by: frozenset[int] = frozenset(),
 ) -> Schedule:
     """The schedule of ``half`` given the agreed message size with each peer; segments with a peer in
-    ``in_process`` become handoffs; peers in ``shared`` get no direct messages and shared slots."""
+    ``in_process`` become handoffs; peers in ``shared`` get shared slots, and direct messages only where
+    this rank pulls from them (``pulls_from``) or they pull from it (``pulled_by``)."""
     if depth not in (1, 2):
         raise ValueError(f"depth must be 1 or 2, not {depth}")
     by_peer_out: dict[int, list[Segment]] = {}
@@ -331,7 +336,8 @@ def build_schedule(
     slot_sizes: dict[tuple[str, int, int], int] = {}
     for direction, by_peer, out in (("send", by_peer_out, sends), ("recv", by_peer_in, receives)):
         for peer in sorted(by_peer):
-            direct = zero_copy and peer not in shared
+            pulls = pulled_by if direction == "send" else pulls_from
+            direct = zero_copy and (peer not in shared or peer in pulls)
             msgs = pair_messages(half, by_peer[peer], peer, message_bytes[peer], zero_copy=direct)
             out.extend(msgs)
             for m in msgs:

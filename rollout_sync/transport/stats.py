@@ -52,6 +52,8 @@ class SyncStats:
     staging_cap_bytes: int
     seconds: dict[str, float] = field(default_factory=dict)
     bytes_handed: dict[int, int] = field(default_factory=dict)
+    bytes_pulled: dict[int, int] = field(default_factory=dict)
+    """Of ``bytes_received``, per same-host peer, the bytes this rank pulled straight from its memory."""
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -66,4 +68,5 @@ class SyncStats:
             "staging_cap_bytes": self.staging_cap_bytes,
             "seconds": dict(self.seconds),
             "bytes_handed": {str(k): v for k, v in self.bytes_handed.items()},
+            "bytes_pulled": {str(k): v for k, v in self.bytes_pulled.items()},
         }

@@ -121,3 +121,50 @@ def test_a_rank_killed_mid_run_fails_the_others_in_time_and_leaves_nothing_in_de
         assert elapsed < timeout + 5, results[rank]
         assert f"rank {rank}:" in message
     assert _ours(group_id) == []
+
+
+def _pulled(rank: int, world: int, group, group_id: str, can_pull: bool) -> dict:
+    """Dense same-dtype segments (rows of one rank into whole tensors elsewhere): pulled by the receiver
+    straight from the sender's storage where the probe says it can read it, else packed into shared
+    slots; exact either way."""
+    from rollout_sync.transport import cross_memory
+
+    if not can_pull:  # as where a seccomp filter or Yama forbids reading another process
+
+        def refused(pid: int, runs: object) -> None:
+            raise PermissionError(1, "Operation not permitted")
+
+        cross_memory.pull = refused  # type: ignore[assignment]
+    same_host = _same_host(group, rank, world, group_id)
+    shape = (512, 256)
+    full = torch.arange(512 * 256, dtype=torch.float32).reshape(shape) * 1.5
+    src = side_map("w", shape, "float32", "rows", [0, 1], __import__("random").Random(3))
+    tgt = side_map("w", shape, "float32", "replicated", [0, 1], __import__("random").Random(3))
+    plan = plan_model([src], [tgt])
+    rows = src.ranks[rank]
+    sources = {"w": torch.empty(rows.shape)}
+    for piece in rows.pieces:
+        box = tuple(slice(o, o + e) for o, e in zip(piece.box.origin, piece.box.extent, strict=True))
+        torch.as_strided(sources["w"], piece.box.extent, piece.strides, piece.offset).copy_(full[box])
+    executor = Executor(group, ExecuteOptions(staging_cap_bytes=1 << 16, timeout=30), same_host=same_host)
+    try:
+        for _ in range(2):
+            targets = {"w": torch.full(shape, float("nan"))}
+            stats = executor.execute(plan.half(rank), sources, targets)
+            assert torch.equal(targets["w"], full), f"rank {rank}: wrong elements"
+        pulled = sum(stats.bytes_pulled.values())
+        return {"from": sorted(executor.pulls_from), "by": sorted(executor.pulled_by), "pulled": pulled > 0}
+    finally:
+        executor.close()
+
+
+@pytest.mark.parametrize("can_pull", [True, False])
+def test_dense_segments_are_pulled_from_the_sender_s_memory_where_the_probe_allows_it(can_pull: bool) -> None:
+    group_id = secrets.token_hex(6)
+    results = run_on_ranks(_pulled, 2, group_id, can_pull, timeout=200)
+    if can_pull:
+        want = [{"from": [1], "by": [1], "pulled": True}, {"from": [0], "by": [0], "pulled": True}]
+    else:
+        want = [{"from": [], "by": [], "pulled": False}] * 2
+    assert results == want, results
+    assert _ours(group_id) == []
