@@ -37,160 +37,39 @@ most ``staging_cap_bytes``.
 
 from __future__ import annotations
 
-import secrets
 import time
 from collections import deque
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
-from datetime import timedelta
-from typing import Any, Protocol
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 
-from ..errors import PeerFailedError
-from ..layout.dtypes import itemsize
-from ..planning.plan import PlanHalf, Segment
+from ..planning.plan import PlanHalf
 from . import agreement, cross_memory
 from .fingerprint import pair_sums, table_hash
 from .groups import group_backend, group_rank, group_size
+from .handoff import copy_handoff
 from .in_process import InProcess
 from .local_check import check_storages
 from .p2p import Op, Pending, Transport, transport_for
+from .program import PartProgram, Program, compile_program, pack, unpack, view
+from .pulls import Pulls, probe_pulls, pulled_bytes
 from .schedule import (
     ALIGN,
     MIN_MESSAGE_BYTES,
-    Copy,
     Message,
     Schedule,
     build_schedule,
     check_half,
-    part_copies,
     peers_of,
     wanted_message_bytes,
-    wire_dtype,
 )
-from .shared_memory import SameHost, SharedSlots, sweep_stale
+from .shared_memory import SIGNAL_ONLY, SameHost, SharedSegments, SharedSlots, sweep_stale
 from .staging import StagingArena
 from .stats import ExecuteOptions, SyncStats
+from .targets import Targets, TargetStream
 
 __all__ = ["Executor", "TargetStream", "execute"]
-
-
-class TargetStream(Protocol):
-    """Targets that exist only while they are written (given to ``execute`` as meta tensors)."""
-
-    def open(self, name: str) -> torch.Tensor:
-        """The storage of target ``name``, made now (at its first received byte)."""
-        ...
-
-    def close(self, name: str) -> None:
-        """Every element of ``name`` this rank receives has landed."""
-        ...
-
-    def held_bytes(self) -> int:
-        """The memory the stream holds now for targets it made and has not released."""
-        ...
-
-    def adds_bytes(self, name: str) -> int:
-        """The memory making target ``name`` would add now (0 when what holds it is already made)."""
-        ...
-
-    def reserve_bytes(self) -> int:
-        """Memory to leave free beside what the stream holds (what closing a target may allocate)."""
-        ...
-
-
-@dataclass(frozen=True, slots=True)
-class _PartProgram:
-    name: str  # logical tensor name (key of sources / targets)
-    wire: torch.dtype  # what the bytes on the wire are (schedule.wire_dtype)
-    wire_size: int
-    byte_offset: int
-    count: int
-    copies: tuple[Copy, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class _Program:
-    """A schedule with every copy precomputed, for one rank."""
-
-    schedule: Schedule
-    sends: dict[int, list[tuple[Message, tuple[_PartProgram, ...]]]]  # round -> packed messages
-    receives: dict[int, list[tuple[Message, tuple[_PartProgram, ...]]]]
-    direct_sends: list[tuple[Message, tuple[_PartProgram, ...]]]
-    direct_receives: list[tuple[Message, tuple[_PartProgram, ...]]]
-    bytes_sent: dict[int, int]
-    bytes_received: dict[int, int]
-    local_bytes: int
-    bytes_handed: dict[int, int]
-
-
-def _torch_dtype(name: str) -> torch.dtype:
-    dtype = getattr(torch, name, None)
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"{name!r} is not a torch dtype")
-    return dtype
-
-
-def _compile(half: PlanHalf, schedule: Schedule) -> _Program:
-    def program(message: Message, side: str) -> tuple[_PartProgram, ...]:
-        out = []
-        for part in message.parts:
-            t = half.tensors[part.segment.tensor]
-            wire = wire_dtype(t.source_dtype, t.target_dtype)
-            copies = part_copies(part, side)
-            out.append(
-                _PartProgram(t.name, _torch_dtype(wire), itemsize(wire), part.byte_offset, part.count, copies)
-            )
-        return tuple(out)
-
-    sends: dict[int, list[tuple[Message, tuple[_PartProgram, ...]]]] = {}
-    receives: dict[int, list[tuple[Message, tuple[_PartProgram, ...]]]] = {}
-    direct_sends: list[tuple[Message, tuple[_PartProgram, ...]]] = []
-    direct_receives: list[tuple[Message, tuple[_PartProgram, ...]]] = []
-    bytes_sent: dict[int, int] = {}
-    bytes_received: dict[int, int] = {}
-    for m in schedule.sends:
-        entry = (m, program(m, "source"))
-        if m.direct:
-            direct_sends.append(entry)
-        else:
-            sends.setdefault(m.round, []).append(entry)
-        bytes_sent[m.peer] = bytes_sent.get(m.peer, 0) + _payload(entry[1])
-    for m in schedule.receives:
-        entry = (m, program(m, "target"))
-        if m.direct:
-            direct_receives.append(entry)
-        else:
-            receives.setdefault(m.round, []).append(entry)
-        bytes_received[m.peer] = bytes_received.get(m.peer, 0) + _payload(entry[1])
-    local = [*schedule.local, *(s for _, segments in schedule.handoff_from for s in segments)]
-    local_bytes = sum(s.numel * itemsize(half.tensors[s.tensor].target_dtype) for s in local)
-    bytes_handed: dict[int, int] = {}
-    for s in half.sends:
-        if s.target_rank in schedule.handoff_to:
-            n = s.numel * itemsize(half.tensors[s.tensor].target_dtype)
-            bytes_handed[s.target_rank] = bytes_handed.get(s.target_rank, 0) + n
-    return _Program(
-        schedule,
-        sends,
-        receives,
-        direct_sends,
-        direct_receives,
-        bytes_sent,
-        bytes_received,
-        local_bytes,
-        bytes_handed,
-    )
-
-
-def _payload(parts: tuple[_PartProgram, ...]) -> int:
-    """Bytes a message carries on the wire (its parts in their wire dtype)."""
-    return sum(p.count * p.wire_size for p in parts)
-
-
-def _view(storage: torch.Tensor, c: Copy) -> torch.Tensor:
-    return torch.as_strided(storage, c.extent, c.strides, storage.storage_offset() + c.offset)
 
 
 class _Clock:
@@ -235,7 +114,7 @@ class Executor:
         self.pulls_from: frozenset[int] = frozenset()  # same-host peers this rank can read (probed)
         self.pulled_by: frozenset[int] = frozenset()  # same-host peers that can read this rank
         self._probed: set[int] = set()
-        self._cached: tuple[tuple[Any, ...], _Program] | None = None
+        self._cached: tuple[tuple[Any, ...], Program] | None = None
         self._fingerprints: tuple[PlanHalf, bytes, tuple[int, int]] | None = None
         self._checked: PlanHalf | None = None
         self.in_process: frozenset[int] = local.peers if local is not None else frozenset()
@@ -324,7 +203,7 @@ class Executor:
         return agreement.decide(records)
 
     # -- 3. schedule ------------------------------------------------------------------------------------
-    def _program(self, half: PlanHalf, offers: list[int]) -> _Program:
+    def _program(self, half: PlanHalf, offers: list[int]) -> Program:
         send_peers, recv_peers = peers_of(half, self.in_process)
         sizes = {p: min(offers[self.rank], offers[p]) // ALIGN * ALIGN for p in {*send_peers, *recv_peers}}
         # Keyed by content (digest, rank, fingerprints), so a half rebuilt for every sync still reuses it.
@@ -353,7 +232,7 @@ class Executor:
             pulls_from=self.pulls_from,
             pulled_by=self.pulled_by,
         )
-        program = _compile(half, schedule)
+        program = compile_program(half, schedule)
         self._cached = (key, program)  # one plan at a time: a new plan replaces the old
         return program
 
@@ -388,7 +267,7 @@ class Executor:
         segments = self._shared_segments(half, schedule, offers)
         t = clock.add("schedule", t)
         with torch.no_grad():
-            streamed = _Targets(targets, stream, half, program)
+            streamed = Targets(targets, stream, half, program)
             transport = transport_for(
                 self.group, self.backend, self.rank, self.options.timeout, device, self.local, self.shared
             )
@@ -427,7 +306,7 @@ class Executor:
 
     def _shared_segments(
         self, half: PlanHalf, schedule: Schedule, offers: list[int]
-    ) -> _SharedSegments | None:
+    ) -> SharedSegments | None:
         if self.shared_slots is None or not schedule.shared_bytes:
             return None
         slots = self.shared_slots
@@ -438,50 +317,21 @@ class Executor:
         for (direction, peer), nbytes in schedule.shared_bytes.items():
             if direction == "send":  # made before the first signal, so the peer finds it
                 slots.send_segment(peer, nbytes, key(peer))
-        return _SharedSegments(slots, schedule, key)
+        return SharedSegments(slots, schedule, key)
 
     def _probe_pulls(self, half: PlanHalf) -> None:
-        """Once per same-host peer this half exchanges bytes with: can each of the two read the other's
-        memory (``cross_memory``)? Both ends run it at the same sync (their halves mirror each other) and
-        learn both answers, so both build the same schedule."""
+        """Probe the same-host peers this half exchanges bytes with and has not probed yet (``pulls``)."""
         if self.shared_slots is None or not cross_memory.supported():
             return
         send_peers, recv_peers = peers_of(half, self.in_process)
         peers = sorted((set(send_peers) | set(recv_peers)) & self.shared - self._probed)
         if not peers:
             return
-        cross_memory.allow_pulls()
-        timeout = timedelta(seconds=self.options.timeout)
-        magic = torch.tensor([secrets.randbits(62)], dtype=torch.int64)
-        mine = torch.tensor([magic.data_ptr(), int(magic)], dtype=torch.int64)
-        theirs = {p: torch.zeros(2, dtype=torch.int64) for p in peers}
-        answers = {p: torch.zeros(1, dtype=torch.int64) for p in peers}
-        works: list[Any] = []
-        try:
-            works += [self.group.send([mine], p, PROBE_TAG) for p in peers]
-            for w in [self.group.recv([theirs[p]], p, PROBE_TAG) for p in peers]:
-                w.wait(timeout)
-            readable = {}
-            for p in peers:
-                got = torch.zeros(1, dtype=torch.int64)
-                address, expected = (int(v) for v in theirs[p])
-                try:
-                    cross_memory.pull(self.shared_slots.same_host.peers[p], [(got.data_ptr(), address, 8)])
-                    readable[p] = int(got) == expected
-                except OSError:
-                    readable[p] = False
-            replies = {p: torch.tensor([int(readable[p])], dtype=torch.int64) for p in peers}
-            works += [self.group.send([replies[p]], p, PROBE_TAG + 1) for p in peers]
-            works += [self.group.recv([answers[p]], p, PROBE_TAG + 1) for p in peers]
-            for w in works:
-                w.wait(timeout)
-        except RuntimeError as e:
-            raise PeerFailedError(
-                f"rank {self.rank}: probing same-host peers {peers} for memory pulls failed: {e}"
-            ) from e
+        pids = self.shared_slots.same_host.peers
+        can_pull, pulled_by = probe_pulls(self.group, self.rank, peers, pids, self.options.timeout)
         self._probed.update(peers)
-        self.pulls_from |= {p for p in peers if readable[p]}
-        self.pulled_by |= {p for p in peers if int(answers[p])}
+        self.pulls_from |= can_pull
+        self.pulled_by |= pulled_by
 
     def close(self) -> None:
         """Release what this executor holds beyond its arena: the shared segments it made."""
@@ -496,11 +346,11 @@ class Executor:
     def _transfer(
         self,
         half: PlanHalf,
-        program: _Program,
+        program: Program,
         arena: torch.Tensor,
-        segments: _SharedSegments | None,
+        segments: SharedSegments | None,
         sources: Mapping[str, torch.Tensor],
-        targets: _Targets,
+        targets: Targets,
         transport: Transport,
         taken: set[int],
         clock: _Clock,
@@ -521,11 +371,11 @@ class Executor:
                 return segments.of(direction, m.peer)[offset : offset + m.nbytes]
             return arena[offset : offset + m.nbytes]
 
-        def direct_view(storage: torch.Tensor, parts: tuple[_PartProgram, ...]) -> torch.Tensor:
+        def direct_view(storage: torch.Tensor, parts: tuple[PartProgram, ...]) -> torch.Tensor:
             (c,) = parts[0].copies  # a direct part is dense: one flat copy
-            return _view(storage, c)
+            return view(storage, c)
 
-        def recv(m: Message, parts: tuple[_PartProgram, ...]) -> Op:
+        def recv(m: Message, parts: tuple[PartProgram, ...]) -> Op:
             return Op(
                 "recv",
                 direct_view(targets.get(parts[0].name), parts),
@@ -584,7 +434,7 @@ class Executor:
             label = f"round {r}"
             # a shared slot is read after the peer's signal (its segment may not exist before)
             recv_ops = [
-                Op("recv", _SIGNAL_ONLY if m.peer in self.shared else slot("recv", m), m.peer, m.tag, label)
+                Op("recv", SIGNAL_ONLY if m.peer in self.shared else slot("recv", m), m.peer, m.tag, label)
                 for m, _ in program.receives.get(r, ())
             ]
             send_ops = []
@@ -594,7 +444,7 @@ class Executor:
             sent: list[Pending] = []
             for m, parts in program.sends.get(r, ()):
                 buf = slot("send", m)
-                _pack(buf, parts, sources)
+                pack(buf, parts, sources)
                 t = clock.add("pack", t)
                 op = Op("send", buf, m.peer, m.tag, label)
                 if coalesced:
@@ -611,7 +461,7 @@ class Executor:
 
         # Handoffs first: a peer in this process copies from these sources while this rank goes on.
         offered = [transport.offer(peer, sources) for peer in schedule.handoff_to]
-        pulls = _Pulls(program, self.pulls_from, self.pulled_by, sources, transport)
+        pulls = Pulls(program, self.pulls_from, self.pulled_by, sources, transport)
         # Round 0 first: its receivers can unpack while the direct messages stream behind it (on one
         # connection per pair, messages leave in the order they are posted). Every rank issues in the
         # same order (round 0, direct, round 1, ...), which NCCL needs.
@@ -630,14 +480,14 @@ class Executor:
             targets.landed(tensor.name)
         for peer, handed in schedule.handoff_from:
             taken.add(peer)
-            _copy_handoff(transport, peer, handed, half, targets)
+            copy_handoff(transport, peer, handed, half, targets)
         clock.add("local", t)
         for r in range(rounds):
             t = time.perf_counter()
             transport.wait(pending_recv.pop(r, []))
             t = clock.add("wait", t)
             for m, parts in program.receives.get(r, ()):
-                _unpack(slot("recv", m), parts, targets)
+                unpack(slot("recv", m), parts, targets)
                 ack = transport.consumed(m.peer, m.tag, f"round {r}")
                 if ack is not None:
                     acks.append(ack)
@@ -661,209 +511,6 @@ class Executor:
         transport.wait(acks)
         transport.wait(pulls.pending)
         clock.add("wait", t)
-
-
-PROBE_TAG = 1 << 30
-"""Tags of the pull probe (and + 1 its answer), of a pull's address table (+ 2) and of its "pulled" signal
-(+ 3): above every message tag."""
-
-
-def pulled_bytes(program: _Program, pulls_from: frozenset[int]) -> dict[int, int]:
-    out: dict[int, int] = {}
-    for m, _ in program.direct_receives:
-        if m.peer in pulls_from:
-            out[m.peer] = out.get(m.peer, 0) + m.nbytes
-    return out
-
-
-class _Pulls:
-    """The direct messages of same-host pairs that pull. A sender sends, per peer, the address of each of
-    its source storages those messages read, and waits for the peer's "pulled"; a receiver takes the table,
-    pulls each message straight into its target storage, and signals."""
-
-    def __init__(
-        self,
-        program: _Program,
-        pulls_from: frozenset[int],
-        pulled_by: frozenset[int],
-        sources: Mapping[str, torch.Tensor],
-        transport: Transport,
-    ) -> None:
-        self.transport = transport
-        self.pending: list[Pending] = []
-        self.incoming: dict[int, list[tuple[Message, tuple[_PartProgram, ...]]]] = {}
-        for m, parts in program.direct_receives:
-            if m.peer in pulls_from:
-                self.incoming.setdefault(m.peer, []).append((m, parts))
-        outgoing: dict[int, set[str]] = {}
-        for m, parts in program.direct_sends:
-            if m.peer in pulled_by:
-                outgoing.setdefault(m.peer, set()).add(parts[0].name)
-        for peer, names in sorted(outgoing.items()):
-            table = torch.tensor([sources[n].data_ptr() for n in sorted(names)], dtype=torch.int64)
-            self.pending.append(transport.signal("send", peer, PROBE_TAG + 2, "pull table", table))
-            self.pending.append(transport.signal("recv", peer, PROBE_TAG + 3, "pulled"))
-        self.tables = {
-            peer: (
-                sorted({parts[0].name for _, parts in messages}),
-                torch.zeros(len({parts[0].name for _, parts in messages}), dtype=torch.int64),
-            )
-            for peer, messages in self.incoming.items()
-        }
-        self.table_work = {
-            peer: transport.signal("recv", peer, PROBE_TAG + 2, "pull table", table)
-            for peer, (_, table) in self.tables.items()
-        }
-
-    def run(self, targets: _Targets, pids: Mapping[int, int]) -> None:
-        for peer, messages in sorted(self.incoming.items()):
-            self.transport.wait([self.table_work[peer]])
-            names, table = self.tables[peer]
-            base = dict(zip(names, (int(v) for v in table), strict=True))
-            for m, parts in messages:
-                (p,) = parts
-                (src,) = part_copies(m.parts[0], "source")
-                (dst,) = p.copies
-                target = targets.get(p.name)
-                local = target.data_ptr() + dst.offset * target.element_size()
-                remote = base[p.name] + src.offset * target.element_size()
-                try:
-                    cross_memory.pull(pids[peer], [(local, remote, m.nbytes)])
-                except OSError as e:
-                    raise PeerFailedError(
-                        f"rank {self.transport.rank}: pulling direct message {m.round} from rank {peer} "
-                        f"(pid {pids[peer]}) failed: {e}"
-                    ) from e
-                targets.landed(p.name)
-            self.pending.append(self.transport.signal("send", peer, PROBE_TAG + 3, "pulled"))
-
-
-_SIGNAL_ONLY = torch.empty(0, dtype=torch.uint8)  # the buffer of a receive whose bytes are in a shared slot
-
-
-class _SharedSegments:
-    """The shared segments of one transfer: made (send) at schedule time, opened (recv) at first use, after
-    the peer's first signal."""
-
-    def __init__(self, slots: SharedSlots, schedule: Schedule, key: Callable[[int], str]) -> None:
-        self.slots = slots
-        self.schedule = schedule
-        self.key = key
-
-    def of(self, direction: str, peer: int) -> torch.Tensor:
-        nbytes = self.schedule.shared_bytes[(direction, peer)]
-        if direction == "send":
-            return self.slots.send_segment(peer, nbytes, self.key(peer))
-        return self.slots.recv_segment(peer, nbytes, self.key(peer))
-
-
-def _copy_handoff(
-    transport: Transport, peer: int, segments: tuple[Segment, ...], half: PlanHalf, targets: _Targets
-) -> None:
-    """Copy ``segments`` straight from the source storages ``peer`` (in this process) hands over."""
-    sources = transport.take(peer)
-    try:
-        for s in segments:
-            name = half.tensors[s.tensor].name
-            src, dst = sources[name], targets.get(name)
-            torch.as_strided(dst, s.extent, s.target_strides, dst.storage_offset() + s.target_offset).copy_(
-                torch.as_strided(src, s.extent, s.source_strides, src.storage_offset() + s.source_offset)
-            )
-            targets.landed(name)
-    except BaseException as e:
-        transport.finish(peer, f"rank {transport.rank} failed copying from rank {peer}'s storages: {e!r}")
-        raise
-    transport.finish(peer)
-
-
-def _pack(buf: torch.Tensor, parts: tuple[_PartProgram, ...], sources: Mapping[str, torch.Tensor]) -> None:
-    for p in parts:
-        storage = sources[p.name]
-        typed = buf[p.byte_offset : p.byte_offset + p.count * p.wire_size].view(p.wire)
-        for c in p.copies:
-            n = 1
-            for e in c.extent:
-                n *= e
-            typed[c.buffer_offset : c.buffer_offset + n].view(c.extent).copy_(_view(storage, c))
-
-
-def _unpack(buf: torch.Tensor, parts: tuple[_PartProgram, ...], targets: _Targets) -> None:
-    for p in parts:
-        storage = targets.get(p.name)
-        typed = buf[p.byte_offset : p.byte_offset + p.count * p.wire_size].view(p.wire)
-        for c in p.copies:
-            n = 1
-            for e in c.extent:
-                n *= e
-            _view(storage, c).copy_(typed[c.buffer_offset : c.buffer_offset + n].view(c.extent))
-        targets.landed(p.name)
-
-
-class _Targets:
-    """This rank's target storages during one transfer: the given tensors, and the streamed ones (given as
-    meta tensors) made by the stream at their first part and closed after their last."""
-
-    def __init__(
-        self,
-        given: Mapping[str, torch.Tensor],
-        stream: TargetStream | None,
-        half: PlanHalf,
-        program: _Program,
-    ) -> None:
-        self.given = given
-        self.stream = stream
-        self.streamed: frozenset[str] = frozenset()
-        self.remaining: dict[str, int] = {}
-        self.made: dict[str, torch.Tensor] = {}
-        if stream is None:
-            return
-        self.streamed = frozenset(n for n, t in given.items() if t.is_meta)
-        names = [parts[0].name for _, parts in program.direct_receives]
-        names += [p.name for entries in program.receives.values() for _, parts in entries for p in parts]
-        names += [half.tensors[s.tensor].name for s in program.schedule.local]
-        names += [half.tensors[s.tensor].name for _, segs in program.schedule.handoff_from for s in segs]
-        for name in names:
-            if name in self.streamed:
-                self.remaining[name] = self.remaining.get(name, 0) + 1
-
-    def get(self, name: str) -> torch.Tensor:
-        made = self.made.get(name)
-        if made is not None:
-            return made
-        if name not in self.streamed or self.stream is None:
-            return self.given[name]
-        placeholder = self.given[name]
-        storage = self.stream.open(name)
-        if storage.shape != placeholder.shape or storage.dtype != placeholder.dtype:
-            raise ValueError(
-                f"the stream made target {name!r} as {tuple(storage.shape)} {storage.dtype}, expected "
-                f"{tuple(placeholder.shape)} {placeholder.dtype}"
-            )
-        self.made[name] = storage
-        return storage
-
-    def held_bytes(self) -> int:
-        return 0 if self.stream is None else self.stream.held_bytes()
-
-    def adds_bytes(self, name: str) -> int:
-        if name in self.made or self.stream is None:
-            return 0
-        return self.stream.adds_bytes(name)
-
-    def reserve_bytes(self) -> int:
-        return 0 if self.stream is None else self.stream.reserve_bytes()
-
-    def landed(self, name: str) -> None:
-        """One part of ``name`` landed; after its last, the stream closes it."""
-        left = self.remaining.get(name)
-        if left is None or self.stream is None:
-            return
-        if left > 1:
-            self.remaining[name] = left - 1
-            return
-        del self.remaining[name]
-        self.made.pop(name, None)
-        self.stream.close(name)
 
 
 def execute(

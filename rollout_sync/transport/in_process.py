@@ -1,18 +1,14 @@
-"""Messages between two ranks of one sync group that live in the same process: a plain copy.
+"""Handoffs between two ranks of one sync group that live in the same process.
 
 A trainer process that also holds a vLLM worker (TRL's colocate mode) is two ranks of the group, each run by
-its own thread. Their messages to each other never touch the process group: the first side to post a
-message leaves it in a process-wide mailbox, the second side's post finds it and copies the sender's bytes
-straight into the receiver's buffer (one copy; ``copy_`` also crosses devices). The plan and the schedule
-are the same as over the wire; both ends post the same messages in the same order.
+its own thread. Their segments never touch the process group: the sender ``offer``s its source storages in a
+process-wide mailbox, the receiver ``take``s them and copies each segment straight from them into its
+targets (``handoff.copy_handoff``: one copy; ``copy_`` also crosses devices), then ``finish``es the offer,
+which releases the sender's wait. A receiver that fails before taking an offer ``decline``s it.
 
-A **handoff** (``offer`` / ``take``) skips even that copy: the sender offers its source storages, the
-receiver takes them and copies each segment straight from them into its targets (``schedule.handoff_from``),
-then ``finish``es the offer, which releases the sender's wait.
-
-Every wait is bounded like a wire wait (``timedelta`` in, ``False`` or a raised ``RuntimeError`` naming a
-timeout out, which ``p2p.Transport`` turns into ``SyncTimeoutError``). A rank that leaves its group
-(``InProcess.leave``) fails every message a peer in this process still waits for from it at once.
+Every wait is bounded like a wire wait (``timedelta`` in, a raised ``RuntimeError`` naming a timeout out,
+which ``p2p.Transport`` turns into ``SyncTimeoutError``). A rank that leaves its group
+(``InProcess.leave``) fails every offer or take a peer in this process still waits for at once.
 """
 
 from __future__ import annotations
@@ -39,15 +35,15 @@ _left: dict[tuple[str, int], str] = {}  # (group id, rank) -> why that rank left
 
 @dataclass(eq=False)
 class _Post:
-    kind: str  # "send" or "recv"
-    tensor: Any  # a message's buffer; for a handoff offer, the sender's source storages
+    kind: str  # "send" (an offer) or "recv" (a take waiting for one)
+    tensor: Any  # an offer's source storages
     done: threading.Event = field(default_factory=threading.Event)
     error: str | None = None
     offer: _Post | None = None  # a waiting take: the offer that matched it
 
 
 class MailboxWork:
-    """The work of one in-process message (the shape of a process group's work: ``wait``)."""
+    """The work of one offer or take (the shape of a process group's work: ``wait``)."""
 
     def __init__(self, post: _Post) -> None:
         self.post = post
@@ -61,20 +57,6 @@ class MailboxWork:
         return True
 
 
-def _copy(send: _Post, recv: _Post) -> None:
-    src, dst = send.tensor, recv.tensor
-    if src.numel() * src.element_size() != dst.numel() * dst.element_size():
-        error = (
-            f"in-process message sizes differ: {src.numel() * src.element_size()} bytes sent, "
-            f"{dst.numel() * dst.element_size()} bytes expected"
-        )
-        send.error = recv.error = error
-    else:  # the bytes, whatever dtype each end views them in
-        dst.reshape(-1).view(torch.uint8).copy_(src.reshape(-1).view(torch.uint8))
-    send.done.set()
-    recv.done.set()
-
-
 class InProcess:
     """The in-process side of one rank's transport: ``peers`` are the ranks of group ``group_id`` that run
     in this process (each on its own thread)."""
@@ -84,28 +66,6 @@ class InProcess:
         self.rank = rank
         self.peers = peers
         self._taken: dict[int, _Post] = {}  # peer -> its offer this rank took and has not finished
-
-    def post(self, kind: str, tensor: torch.Tensor, peer: int, tag: int) -> MailboxWork:
-        src, dst = (self.rank, peer) if kind == "send" else (peer, self.rank)
-        key = (self.group_id, src, dst, tag)
-        mine = _Post(kind, tensor)
-        with _lock:
-            gone = _left.get((self.group_id, peer))
-            if gone is not None:
-                mine.error = gone
-                mine.done.set()
-                return MailboxWork(mine)
-            queue = _boxes.setdefault(key, deque())
-            if queue and queue[0].kind != kind:
-                other = queue.popleft()
-                if not queue:
-                    del _boxes[key]
-            else:
-                queue.append(mine)
-                return MailboxWork(mine)
-        send, recv = (mine, other) if kind == "send" else (other, mine)
-        _copy(send, recv)  # outside the lock: copies between other pairs go on meanwhile
-        return MailboxWork(mine)
 
     def offer(self, peer: int, sources: Mapping[str, torch.Tensor]) -> MailboxWork:
         """Offer this rank's source storages to ``peer``; the work is done when the peer ``finish``es."""

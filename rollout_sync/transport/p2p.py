@@ -56,7 +56,7 @@ def _is_timeout(text: str) -> bool:
 
 class Transport:
     """Individually posted messages (gloo and any backend without coalescing). Messages to a peer in this
-    process (``local``) are copied through the in-process mailbox instead."""
+    process (``local``) do not exist: their segments are handoffs (``offer`` / ``take``)."""
 
     def __init__(
         self,
@@ -95,13 +95,6 @@ class Transport:
             return None
         return self.signal("send", peer, tag + 1, label)
 
-    def is_local(self, op: Op) -> bool:
-        return self.local is not None and op.peer in self.local.peers
-
-    def post_local(self, op: Op) -> Pending:
-        assert self.local is not None
-        return Pending(self.local.post(op.kind, op.tensor, op.peer, op.tag), op.peer, op.kind, op.label)
-
     def offer(self, peer: int, sources: Mapping[str, torch.Tensor]) -> Pending:
         """Hand this rank's source storages to ``peer`` in this process (``schedule.handoff_to``)."""
         assert self.local is not None
@@ -127,9 +120,6 @@ class Transport:
     def post(self, ops: Sequence[Op]) -> list[Pending]:
         pending = []
         for op in ops:
-            if self.is_local(op):
-                pending.append(self.post_local(op))
-                continue
             if op.peer in self.shared:  # the bytes are in the shared slot already (send) or will be (recv)
                 pending.append(self.signal(op.kind, op.peer, op.tag, op.label))
                 if op.kind == "send":  # done only when the peer has unpacked it: the slot is free again
@@ -171,10 +161,8 @@ class CoalescedTransport(Transport):
     """NCCL: one group start/end per posted batch (a round); all its messages share one work."""
 
     def post(self, ops: Sequence[Op]) -> list[Pending]:
-        local = [self.post_local(op) for op in ops if self.is_local(op)]
-        ops = [op for op in ops if not self.is_local(op)]
         if not ops:
-            return local
+            return []
         # A ProcessGroup (torch.distributed's WORLD) takes the device; a backend object built directly
         # (ProcessGroupNCCL over a store) takes none.
         args = (self.device,) if isinstance(self.group, ProcessGroup) else ()
@@ -191,7 +179,7 @@ class CoalescedTransport(Transport):
             raise PeerFailedError(
                 f"rank {self.rank}: posting {ops[0].label} with ranks {peers} failed: {e}"
             ) from e
-        return local + [Pending(work, op.peer, op.kind, op.label) for op in ops]
+        return [Pending(work, op.peer, op.kind, op.label) for op in ops]
 
 
 def transport_for(

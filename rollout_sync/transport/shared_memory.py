@@ -22,12 +22,14 @@ import hashlib
 import os
 import re
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import torch
 
-__all__ = ["SHM_PREFIX", "SameHost", "SharedSlots", "shm_dir", "sweep_stale"]
+from .schedule import Schedule
+
+__all__ = ["SHM_PREFIX", "SIGNAL_ONLY", "SameHost", "SharedSegments", "SharedSlots", "shm_dir", "sweep_stale"]
 
 SHM_PREFIX = "rollout-sync-"
 _NAME = re.compile(r"^rollout-sync-(\d+)-")
@@ -138,3 +140,22 @@ class SharedSlots:
 def _unlink(path: str) -> None:
     with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
+
+
+SIGNAL_ONLY = torch.empty(0, dtype=torch.uint8)  # the buffer of a receive whose bytes are in a shared slot
+
+
+class SharedSegments:
+    """The shared segments of one transfer: made (send) at schedule time, opened (recv) at first use, after
+    the peer's first signal."""
+
+    def __init__(self, slots: SharedSlots, schedule: Schedule, key: Callable[[int], str]) -> None:
+        self.slots = slots
+        self.schedule = schedule
+        self.key = key
+
+    def of(self, direction: str, peer: int) -> torch.Tensor:
+        nbytes = self.schedule.shared_bytes[(direction, peer)]
+        if direction == "send":
+            return self.slots.send_segment(peer, nbytes, self.key(peer))
+        return self.slots.recv_segment(peer, nbytes, self.key(peer))

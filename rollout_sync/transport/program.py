@@ -1,0 +1,135 @@
+"""A rank's schedule compiled into copies: for each message, its parts with their wire dtype and the strided
+copies between the message buffer and the storages; packing and unpacking a message buffer."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from ..layout.dtypes import itemsize
+from ..planning.plan import PlanHalf
+from .schedule import Copy, Message, Schedule, part_copies, wire_dtype
+
+if TYPE_CHECKING:
+    from .targets import Targets
+
+__all__ = ["PartProgram", "Program", "compile_program", "pack", "payload", "unpack", "view"]
+
+
+@dataclass(frozen=True, slots=True)
+class PartProgram:
+    name: str  # logical tensor name (key of sources / targets)
+    wire: torch.dtype  # what the bytes on the wire are (schedule.wire_dtype)
+    wire_size: int
+    byte_offset: int
+    count: int
+    copies: tuple[Copy, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Program:
+    """A schedule with every copy precomputed, for one rank."""
+
+    schedule: Schedule
+    sends: dict[int, list[tuple[Message, tuple[PartProgram, ...]]]]  # round -> packed messages
+    receives: dict[int, list[tuple[Message, tuple[PartProgram, ...]]]]
+    direct_sends: list[tuple[Message, tuple[PartProgram, ...]]]
+    direct_receives: list[tuple[Message, tuple[PartProgram, ...]]]
+    bytes_sent: dict[int, int]
+    bytes_received: dict[int, int]
+    local_bytes: int
+    bytes_handed: dict[int, int]
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"{name!r} is not a torch dtype")
+    return dtype
+
+
+def compile_program(half: PlanHalf, schedule: Schedule) -> Program:
+    def program(message: Message, side: str) -> tuple[PartProgram, ...]:
+        out = []
+        for part in message.parts:
+            t = half.tensors[part.segment.tensor]
+            wire = wire_dtype(t.source_dtype, t.target_dtype)
+            copies = part_copies(part, side)
+            out.append(
+                PartProgram(t.name, torch_dtype(wire), itemsize(wire), part.byte_offset, part.count, copies)
+            )
+        return tuple(out)
+
+    sends: dict[int, list[tuple[Message, tuple[PartProgram, ...]]]] = {}
+    receives: dict[int, list[tuple[Message, tuple[PartProgram, ...]]]] = {}
+    direct_sends: list[tuple[Message, tuple[PartProgram, ...]]] = []
+    direct_receives: list[tuple[Message, tuple[PartProgram, ...]]] = []
+    bytes_sent: dict[int, int] = {}
+    bytes_received: dict[int, int] = {}
+    for m in schedule.sends:
+        entry = (m, program(m, "source"))
+        if m.direct:
+            direct_sends.append(entry)
+        else:
+            sends.setdefault(m.round, []).append(entry)
+        bytes_sent[m.peer] = bytes_sent.get(m.peer, 0) + payload(entry[1])
+    for m in schedule.receives:
+        entry = (m, program(m, "target"))
+        if m.direct:
+            direct_receives.append(entry)
+        else:
+            receives.setdefault(m.round, []).append(entry)
+        bytes_received[m.peer] = bytes_received.get(m.peer, 0) + payload(entry[1])
+    local = [*schedule.local, *(s for _, segments in schedule.handoff_from for s in segments)]
+    local_bytes = sum(s.numel * itemsize(half.tensors[s.tensor].target_dtype) for s in local)
+    bytes_handed: dict[int, int] = {}
+    for s in half.sends:
+        if s.target_rank in schedule.handoff_to:
+            n = s.numel * itemsize(half.tensors[s.tensor].target_dtype)
+            bytes_handed[s.target_rank] = bytes_handed.get(s.target_rank, 0) + n
+    return Program(
+        schedule,
+        sends,
+        receives,
+        direct_sends,
+        direct_receives,
+        bytes_sent,
+        bytes_received,
+        local_bytes,
+        bytes_handed,
+    )
+
+
+def payload(parts: tuple[PartProgram, ...]) -> int:
+    """Bytes a message carries on the wire (its parts in their wire dtype)."""
+    return sum(p.count * p.wire_size for p in parts)
+
+
+def view(storage: torch.Tensor, c: Copy) -> torch.Tensor:
+    return torch.as_strided(storage, c.extent, c.strides, storage.storage_offset() + c.offset)
+
+
+def pack(buf: torch.Tensor, parts: tuple[PartProgram, ...], sources: Mapping[str, torch.Tensor]) -> None:
+    for p in parts:
+        storage = sources[p.name]
+        typed = buf[p.byte_offset : p.byte_offset + p.count * p.wire_size].view(p.wire)
+        for c in p.copies:
+            n = 1
+            for e in c.extent:
+                n *= e
+            typed[c.buffer_offset : c.buffer_offset + n].view(c.extent).copy_(view(storage, c))
+
+
+def unpack(buf: torch.Tensor, parts: tuple[PartProgram, ...], targets: Targets) -> None:
+    for p in parts:
+        storage = targets.get(p.name)
+        typed = buf[p.byte_offset : p.byte_offset + p.count * p.wire_size].view(p.wire)
+        for c in p.copies:
+            n = 1
+            for e in c.extent:
+                n *= e
+            view(storage, c).copy_(typed[c.buffer_offset : c.buffer_offset + n].view(c.extent))
+        targets.landed(p.name)
