@@ -15,17 +15,15 @@ import os
 import sys
 from collections.abc import Sequence
 
-__all__ = ["IOV_MAX", "allow_pulls", "pull", "supported"]
+import torch
+
+__all__ = ["IOV_MAX", "allow_pulls", "pull", "pull_iov", "supported"]
 
 IOV_MAX = 1024
 """Iovecs per ``process_vm_readv`` call (the kernel's ``UIO_MAXIOV``)."""
 
 _PR_SET_PTRACER = 0x59616D61
 _PR_SET_PTRACER_ANY = ctypes.c_ulong(-1).value
-
-
-class _Iovec(ctypes.Structure):
-    _fields_ = [("iov_base", ctypes.c_void_p), ("iov_len", ctypes.c_size_t)]
 
 
 _libc: ctypes.CDLL | None = None
@@ -35,9 +33,15 @@ def _lib() -> ctypes.CDLL | None:
     global _libc
     if _libc is None and sys.platform.startswith("linux"):
         try:
-            _libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+            lib = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
         except OSError:
             return None
+        if hasattr(lib, "process_vm_readv"):
+            fn = lib.process_vm_readv
+            fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_ulong, ctypes.c_void_p, ctypes.c_ulong]
+            fn.argtypes += [ctypes.c_ulong]
+            fn.restype = ctypes.c_ssize_t
+        _libc = lib
     return _libc
 
 
@@ -54,20 +58,45 @@ def allow_pulls() -> None:
         lib.prctl(_PR_SET_PTRACER, _PR_SET_PTRACER_ANY, 0, 0, 0)
 
 
-def pull(pid: int, runs: Sequence[tuple[int, int, int]]) -> None:
-    """Copy each ``(local address, remote address, bytes)`` run from process ``pid`` into this process.
-    Raises ``OSError`` (with the errno) when the kernel refuses or the process is gone."""
+def pull_iov(pid: int, local: torch.Tensor, remote: torch.Tensor) -> None:
+    """Copy bytes from process ``pid`` into this process: ``local`` and ``remote`` are int64 tensors of
+    shape ``(n, 2)`` and ``(m, 2)``, each row ``(address, bytes)`` (the layout of ``struct iovec``), with the
+    same total: the concatenation of the remote ranges lands in the concatenation of the local ones. Either
+    ``n == m`` (row ``i`` of each has the same length) or one side is a single range (the kernel pins the
+    other process's pages once per remote range: a single remote range is the fast case). Raises
+    ``OSError`` (with the errno) when the kernel refuses or the process is gone."""
     lib = _lib()
-    if lib is None:
+    if lib is None or not hasattr(lib, "process_vm_readv"):
         raise OSError(38, "process_vm_readv is not available on this platform")
-    for start in range(0, len(runs), IOV_MAX):
-        batch = runs[start : start + IOV_MAX]
-        local = (_Iovec * len(batch))(*[_Iovec(a, n) for a, _, n in batch])
-        remote = (_Iovec * len(batch))(*[_Iovec(r, n) for _, r, n in batch])
-        want = sum(n for _, _, n in batch)
-        got = lib.process_vm_readv(pid, local, len(batch), remote, len(batch), 0)
+    local, remote = local.contiguous(), remote.contiguous()
+    n, m = local.shape[0], remote.shape[0]
+    if n != m and 1 not in (n, m):
+        raise ValueError(f"pull_iov pairs {n} local ranges with {m} remote ones")
+    many = local if n >= m else remote
+    lengths = many[:, 1]
+    single_at = int(remote[0, 0]) if n >= m else int(local[0, 0])
+    done = 0
+    for start in range(0, max(n, m), IOV_MAX):
+        k = min(IOV_MAX, max(n, m) - start)
+        want = int(lengths[start : start + k].sum())
+        if n == m:
+            lp, rp, kl, kr = local.data_ptr() + start * 16, remote.data_ptr() + start * 16, k, k
+        else:
+            one = torch.tensor([single_at + done, want], dtype=torch.int64)
+            if n > m:
+                lp, rp, kl, kr = local.data_ptr() + start * 16, one.data_ptr(), k, 1
+            else:
+                lp, rp, kl, kr = one.data_ptr(), remote.data_ptr() + start * 16, 1, k
+        got = lib.process_vm_readv(pid, lp, kl, rp, kr, 0)
         if got < 0:
             errno = ctypes.get_errno()
             raise OSError(errno, f"process_vm_readv from pid {pid}: {os.strerror(errno)}")
         if got != want:  # a partial read: the remote range ended early (unmapped)
             raise OSError(14, f"process_vm_readv from pid {pid} read {got} of {want} bytes")
+        done += want
+
+
+def pull(pid: int, runs: Sequence[tuple[int, int, int]]) -> None:
+    """``pull_iov`` of ``(local address, remote address, bytes)`` runs."""
+    rows = torch.tensor([[a, r, n] for a, r, n in runs], dtype=torch.int64).reshape(-1, 3)
+    pull_iov(pid, rows[:, [0, 2]], rows[:, [1, 2]])

@@ -53,7 +53,7 @@ from .in_process import InProcess
 from .local_check import check_storages
 from .p2p import Op, Pending, Transport, transport_for
 from .program import PartProgram, Program, compile_program, pack, unpack, view
-from .pulls import Pulls, probe_pulls, pulled_bytes
+from .pulls import PullPlan, Pulls, probe_pulls, pull_plan, pulled_bytes
 from .schedule import (
     ALIGN,
     MIN_MESSAGE_BYTES,
@@ -114,6 +114,7 @@ class Executor:
         self.pulls_from: frozenset[int] = frozenset()  # same-host peers this rank can read (probed)
         self.pulled_by: frozenset[int] = frozenset()  # same-host peers that can read this rank
         self._probed: set[int] = set()
+        self._pulls_cached: tuple[Program, PullPlan] | None = None
         self._cached: tuple[tuple[Any, ...], Program] | None = None
         self._fingerprints: tuple[PlanHalf, bytes, tuple[int, int]] | None = None
         self._checked: PlanHalf | None = None
@@ -319,6 +320,13 @@ class Executor:
                 slots.send_segment(peer, nbytes, key(peer))
         return SharedSegments(slots, schedule, key)
 
+    def _pull_plan(self, program: Program) -> PullPlan:
+        cached = self._pulls_cached
+        if cached is None or cached[0] is not program:
+            cached = (program, pull_plan(program, self.pulls_from))
+            self._pulls_cached = cached
+        return cached[1]
+
     def _probe_pulls(self, half: PlanHalf) -> None:
         """Probe the same-host peers this half exchanges bytes with and has not probed yet (``pulls``)."""
         if self.shared_slots is None or not cross_memory.supported():
@@ -461,7 +469,7 @@ class Executor:
 
         # Handoffs first: a peer in this process copies from these sources while this rank goes on.
         offered = [transport.offer(peer, sources) for peer in schedule.handoff_to]
-        pulls = Pulls(program, self.pulls_from, self.pulled_by, sources, transport)
+        pulls = Pulls(program, self._pull_plan(program), self.pulled_by, sources, transport)
         # Round 0 first: its receivers can unpack while the direct messages stream behind it (on one
         # connection per pair, messages leave in the order they are posted). Every rank issues in the
         # same order (round 0, direct, round 1, ...), which NCCL needs.
@@ -481,7 +489,10 @@ class Executor:
         for peer, handed in schedule.handoff_from:
             taken.add(peer)
             copy_handoff(transport, peer, handed, half, targets)
-        clock.add("local", t)
+        t = clock.add("local", t)
+        if self.shared_slots is not None:  # while the senders pack the first rounds
+            pulls.run(targets, self.shared_slots.same_host.peers)
+        clock.add("pull", t)
         for r in range(rounds):
             t = time.perf_counter()
             transport.wait(pending_recv.pop(r, []))
@@ -497,9 +508,6 @@ class Executor:
                 clock.add("wait", t)
                 post(r + depth)
         t = time.perf_counter()
-        if self.shared_slots is not None:
-            pulls.run(targets, self.shared_slots.same_host.peers)
-        t = clock.add("pull", t)
         transport.wait(direct)
         while window:
             pending, landed, _ = window.popleft()

@@ -13,11 +13,11 @@ import torch
 from ..errors import PeerFailedError
 from . import cross_memory
 from .p2p import Pending, Transport
-from .program import PartProgram, Program
-from .schedule import Message, part_copies
+from .program import Program
+from .schedule import Message, part_runs
 from .targets import Targets
 
-__all__ = ["PROBE_TAG", "Pulls", "probe_pulls", "pulled_bytes"]
+__all__ = ["PROBE_TAG", "PullPlan", "Pulls", "probe_pulls", "pull_plan", "pulled_bytes"]
 
 
 PROBE_TAG = 1 << 30
@@ -33,25 +33,46 @@ def pulled_bytes(program: Program, pulls_from: frozenset[int]) -> dict[int, int]
     return out
 
 
+PullPlan = dict[int, list[tuple[Message, str, torch.Tensor]]]
+"""Per peer this rank pulls from: each pulled message, its tensor's name, and its runs as an int64 tensor
+of rows ``(source element offset, target element offset, count)``."""
+
+
+def pull_plan(program: Program, pulls_from: frozenset[int]) -> PullPlan:
+    """The runs of every message this rank pulls (computed once per program: a row-by-row segment has
+    one run per row)."""
+    plan: PullPlan = {}
+    for m, parts in program.direct_receives:
+        if m.peer in pulls_from:
+            runs = torch.tensor(part_runs(m.parts[0]), dtype=torch.int64).reshape(-1, 3)
+            plan.setdefault(m.peer, []).append((m, parts[0].name, runs))
+    return plan
+
+
+def _ranges(offsets: torch.Tensor, counts: torch.Tensor, size: int, base: int) -> torch.Tensor:
+    """``(address, bytes)`` rows of runs at element ``offsets``; one row when they are back to back (a side
+    dense over the message: the other process's pages are then pinned once, not once per run)."""
+    if offsets.numel() > 1 and bool((offsets[:-1] + counts[:-1] == offsets[1:]).all()):
+        return torch.tensor([[int(offsets[0]) * size + base, int(counts.sum()) * size]], dtype=torch.int64)
+    return torch.stack((offsets * size + base, counts * size), 1)
+
+
 class Pulls:
-    """The direct messages of same-host pairs that pull. A sender sends, per peer, the address of each of
-    its source storages those messages read, and waits for the peer's "pulled"; a receiver takes the table,
-    pulls each message straight into its target storage, and signals."""
+    """One transfer's pulls. A sender sends, per peer that pulls from it, the address of each of its source
+    storages those messages read, and waits for the peer's "pulled"; a receiver takes the table, pulls each
+    message's runs straight into its target storage (``cross_memory.pull_iov``), and signals."""
 
     def __init__(
         self,
         program: Program,
-        pulls_from: frozenset[int],
+        plan: PullPlan,
         pulled_by: frozenset[int],
         sources: Mapping[str, torch.Tensor],
         transport: Transport,
     ) -> None:
         self.transport = transport
+        self.plan = plan
         self.pending: list[Pending] = []
-        self.incoming: dict[int, list[tuple[Message, tuple[PartProgram, ...]]]] = {}
-        for m, parts in program.direct_receives:
-            if m.peer in pulls_from:
-                self.incoming.setdefault(m.peer, []).append((m, parts))
         outgoing: dict[int, set[str]] = {}
         for m, parts in program.direct_sends:
             if m.peer in pulled_by:
@@ -60,38 +81,33 @@ class Pulls:
             table = torch.tensor([sources[n].data_ptr() for n in sorted(names)], dtype=torch.int64)
             self.pending.append(transport.signal("send", peer, PROBE_TAG + 2, "pull table", table))
             self.pending.append(transport.signal("recv", peer, PROBE_TAG + 3, "pulled"))
-        self.tables = {
-            peer: (
-                sorted({parts[0].name for _, parts in messages}),
-                torch.zeros(len({parts[0].name for _, parts in messages}), dtype=torch.int64),
-            )
-            for peer, messages in self.incoming.items()
-        }
+        self.tables: dict[int, tuple[list[str], torch.Tensor]] = {}
+        for peer, messages in plan.items():
+            pulled = sorted({name for _, name, _ in messages})
+            self.tables[peer] = (pulled, torch.zeros(len(pulled), dtype=torch.int64))
         self.table_work = {
             peer: transport.signal("recv", peer, PROBE_TAG + 2, "pull table", table)
             for peer, (_, table) in self.tables.items()
         }
 
     def run(self, targets: Targets, pids: Mapping[int, int]) -> None:
-        for peer, messages in sorted(self.incoming.items()):
+        for peer, messages in sorted(self.plan.items()):
             self.transport.wait([self.table_work[peer]])
             names, table = self.tables[peer]
             base = dict(zip(names, (int(v) for v in table), strict=True))
-            for m, parts in messages:
-                (p,) = parts
-                (src,) = part_copies(m.parts[0], "source")
-                (dst,) = p.copies
-                target = targets.get(p.name)
-                local = target.data_ptr() + dst.offset * target.element_size()
-                remote = base[p.name] + src.offset * target.element_size()
+            for m, name, runs in messages:
+                target = targets.get(name)
+                size = target.element_size()
+                local = _ranges(runs[:, 1], runs[:, 2], size, target.data_ptr())
+                remote = _ranges(runs[:, 0], runs[:, 2], size, base[name])
                 try:
-                    cross_memory.pull(pids[peer], [(local, remote, m.nbytes)])
+                    cross_memory.pull_iov(pids[peer], local, remote)
                 except OSError as e:
                     raise PeerFailedError(
                         f"rank {self.transport.rank}: pulling direct message {m.round} from rank {peer} "
                         f"(pid {pids[peer]}) failed: {e}"
                     ) from e
-                targets.landed(p.name)
+                targets.landed(name)
             self.pending.append(self.transport.signal("send", peer, PROBE_TAG + 3, "pulled"))
 
 
