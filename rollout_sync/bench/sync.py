@@ -17,9 +17,12 @@ weights, so the same paths run there (the row says which: ``packing``).
 Before every sync the trainer's weights are negated in place (bf16 and fp32 copies alike, exact), so each
 sync moves new values.
 
-- ``ours``: the handshake once (``TrainerSync.attach`` / ``rollout_sync_connect``), then each sync =
-  executing the plan (trainer ranks send their half, workers receive theirs and refresh vLLM's derived
-  copies), then ``reset_prefix_cache``.
+- ``ours``: the handshake once (``TrainerSync.attach`` / ``rollout_sync_connect``, ``shared_memory=False``:
+  every byte over gloo), then each sync = executing the plan (trainer ranks send their half, workers
+  receive theirs and refresh vLLM's derived copies), then ``reset_prefix_cache``.
+- ``ours_same_host``: the same after a second handshake with the same-host transport (the default:
+  trainer ranks and workers share this host, so bytes are pulled from the sender's memory or staged in
+  shared memory, ``transport.shared_memory``); its own bitwise check (``same_host_bitwise_equal``).
 - ``baseline`` (OpenRLHF style): a gloo group of trainer rank 0 and every vLLM worker; per parameter,
   ``GatheredParameters`` on every trainer rank, rank 0 broadcasts the full tensor, each worker receives it
   into a fresh buffer and calls ``model.load_weights``; at the end derived copies are rebuilt as ours does,
@@ -41,7 +44,8 @@ greedy positions of a fixed prompt are compared, by digest, with the synced engi
 Last line with ``--json``: ``{"rows": [{"trainer", "ours_s", "baseline_s", "ours_trainer_extra_bytes",
 "baseline_trainer_extra_bytes", "ours_rollout_extra_bytes", "baseline_rollout_extra_bytes",
 "ours_bytes_moved", "baseline_bytes_moved", "bitwise_equal", "packed_layers", "logits_equal",
-"staging_cap_bytes", "largest_layer_loaded_bytes", ...}]}``.
+"staging_cap_bytes", "largest_layer_loaded_bytes", "ours_same_host_s", "ours_same_host_trainer_extra_bytes",
+"ours_same_host_rollout_extra_bytes", "same_host_bitwise_equal", ...}]}``.
 
 Measured (2026-11-30, 2 cores, load 3-6, 1 warm-up and 3 measured syncs per method): zero3 ours 0.533 s
 against 4.304 s (8.07x), trainer extra 12 KB against 622 MB, worker extra 8 KB against 311 MB, 1.19 GB moved
@@ -178,6 +182,11 @@ def ours_sync(ctx: RankContext, version: int) -> dict[str, Any]:
         "peak_staging_bytes": stats["peak_staging_bytes"],
         "memory_method": memory.method,
     }
+
+
+def detach(ctx: RankContext) -> None:
+    """Leave the sync group (its shared segments released) before the next handshake."""
+    ctx.state.pop("sync").detach()
 
 
 def param_specs(ctx: RankContext) -> list[tuple[str, list[int], str]]:
@@ -421,21 +430,28 @@ def run_row(
             start = time.perf_counter()
             pool.call(setup, spec, str(model))
             _log(f"{trainer}: DeepSpeed engine built in {time.perf_counter() - start:.1f} s")
-            address = f"tcp://127.0.0.1:{free_port()}"
-            start = time.perf_counter()
-            pending = pool.submit(attach, address, TOKEN, 1, None, "balanced", timeout, staging_cap_bytes)
-            llm.collective_rpc(
-                "rollout_sync_connect",
-                kwargs={
-                    "address": address,
-                    "engine": 0,
-                    "token": TOKEN,
-                    "timeout": timeout,
-                    "staging_cap_bytes": staging_cap_bytes,
-                },
-            )
-            pending.result(timeout * 2)
-            handshake_s = time.perf_counter() - start
+
+            def handshake(shared_memory: bool) -> float:
+                address = f"tcp://127.0.0.1:{free_port()}"
+                start = time.perf_counter()
+                pending = pool.submit(
+                    attach, address, TOKEN, 1, None, "balanced", timeout, staging_cap_bytes, shared_memory
+                )
+                llm.collective_rpc(
+                    "rollout_sync_connect",
+                    kwargs={
+                        "address": address,
+                        "engine": 0,
+                        "token": TOKEN,
+                        "timeout": timeout,
+                        "staging_cap_bytes": staging_cap_bytes,
+                    },
+                )
+                pending.result(timeout * 2)
+                return time.perf_counter() - start
+
+            # ours over gloo first (the figure every row had), the same-host transport after
+            handshake_s = handshake(shared_memory=False)
             _log(f"{trainer}: handshake {handshake_s:.2f} s")
 
             def ours_once(i: int) -> tuple[list[Any], list[Any]]:
@@ -455,6 +471,14 @@ def run_row(
             ours_equal, _ = _check_bitwise(pool, llm, checkpoint, model, keep=True)
             llm.collective_rpc("rollout_sync_record_loaded", args=(False,))
             _log(f"{trainer} ours: bitwise equal {ours_equal}")
+
+            pool.call(detach)
+            handshake(shared_memory=True)
+            same_host, same_host_changed = _measure(
+                f"{trainer} ours same host", ours_once, warmup, syncs, llm, pool
+            )
+            same_host_equal, _ = _check_bitwise(pool, llm, workdir / f"check-{trainer}-same-host", model)
+            _log(f"{trainer} ours same host: bitwise equal {same_host_equal}")
 
             port = free_port()
             world = 1 + TP
@@ -494,6 +518,11 @@ def run_row(
         baseline_equal=baseline_equal and base_changed,
         staging_cap_bytes=staging_cap_bytes,
     )
+    row["ours_same_host_s"] = round(float(same_host["seconds"]), 4)
+    row["ours_same_host_all_s"] = list(same_host["all_seconds"])
+    row["ours_same_host_trainer_extra_bytes"] = int(same_host["trainer_extra_bytes"])
+    row["ours_same_host_rollout_extra_bytes"] = int(same_host["rollout_extra_bytes"])
+    row["same_host_bitwise_equal"] = bool(same_host_equal and same_host_changed)
     row["handshake_s"] = round(handshake_s, 3)
     row["packed_layers"] = packed
     row["largest_layer_loaded_bytes"] = max(int(s["largest_layer_loaded_bytes"]) for s in summaries)
@@ -559,6 +588,13 @@ def main(argv: list[str] | None = None) -> int:
             f"{r['ours_trainer_extra_bytes'] / 1e6:11.1f} {r['baseline_trainer_extra_bytes'] / 1e6:11.1f} "
             f"{r['ours_rollout_extra_bytes'] / 1e6:11.1f} {r['baseline_rollout_extra_bytes'] / 1e6:11.1f} "
             f"{r['bitwise_equal']!s:>8} {r['packed_layers']:7d} {r['logits_equal']!s:>7}"
+        )
+    for r in rows:
+        print(
+            f"{r['trainer']:8} same host {r['ours_same_host_s']:.3f} s against gloo {r['ours_s']:.3f} s "
+            f"({r['ours_s'] / r['ours_same_host_s']:.2f}x), trainer extra "
+            f"{r['ours_same_host_trainer_extra_bytes'] / 1e6:.1f} MB, worker extra "
+            f"{r['ours_same_host_rollout_extra_bytes'] / 1e6:.1f} MB, bitwise {r['same_host_bitwise_equal']}"
         )
     if args.json:
         print(json.dumps({"rows": rows}))

@@ -136,9 +136,11 @@ def coordinate(
     backend: str = "gloo",
     timeout: float = 120.0,
     cache: PlanCache | None = DEFAULT_PLAN_CACHE,
+    shared_memory: bool = True,
 ) -> Coordinated:
     """Admit, plan (or reuse the cached plan of the same layout version), welcome. On any failure every
-    admitted peer is told why (ABORT) before this raises."""
+    admitted peer is told why (ABORT) before this raises. ``shared_memory``: ranks on one host in other
+    processes move bytes through shared memory (``transport.shared_memory``); every rank is told."""
     try:
         peers = coord.admit()
         trainers = [p for p in peers if p.role == TRAINER]
@@ -207,6 +209,7 @@ def coordinate(
             "store_host": store_host,
             "store_port": int(store.port),
             "backend": backend,
+            "shared_memory": shared_memory,
             "digest": plan.digest,
             "layout_version": version or "",
         }

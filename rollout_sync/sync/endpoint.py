@@ -12,7 +12,7 @@ import contextlib
 import time
 import traceback
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -130,7 +130,10 @@ class Endpoint:
             trainer_ranks=trainers,
             group=pg,
             half=half,
-            options=options or ExecuteOptions(timeout=timeout),
+            # the coordinator's choice, the same for every rank (agreed again at every sync)
+            options=replace(
+                options or ExecuteOptions(timeout=timeout), shared_memory=bool(f.get("shared_memory", True))
+            ),
             device=device,
             roster=decode_roster(f.get("roster")),
             group_id=str(f.get("group_id", "")),

@@ -71,11 +71,13 @@ class TrainerSync:
         timeout: float = 120.0,
         backend: str = "gloo",
         state: str = "param",
+        shared_memory: bool = True,
     ) -> TrainerSync:
         """Join the sync group with a live DeepSpeed engine. ``engines``: how many vLLM engines take part;
         ``every``: sync after every N-th applied optimizer step (``None``: only explicit ``sync()`` calls);
         ``state``: which trainer state to send (``param`` for the low-precision weights, ``fp32`` for the
-        master weights)."""
+        master weights); ``shared_memory``: ranks on one host in other processes move bytes through shared
+        memory instead of gloo (CPU; decided by trainer rank 0 for the whole group)."""
         import torch.distributed as dist
 
         from ..trainer.storage import watched_storage
@@ -97,6 +99,7 @@ class TrainerSync:
             timeout=timeout,
             backend=backend,
             engine=engine,
+            shared_memory=shared_memory,
         )
 
         def rebuild() -> tuple[list[TensorMap], dict[str, Any], Any]:
@@ -127,6 +130,7 @@ class TrainerSync:
         timeout: float = 120.0,
         backend: str = "gloo",
         engine: Any = None,
+        shared_memory: bool = True,
     ) -> TrainerSync:
         """Join the sync group as trainer rank ``rank`` of ``world_size``, with maps of every trainer rank
         (the same on every rank) and this rank's storage views. Trainer rank 0 also runs the coordinator."""
@@ -143,7 +147,12 @@ class TrainerSync:
             def serve() -> None:
                 try:
                     coordinated["value"] = coordinate(
-                        coord, policy=policy, store_host=host, backend=backend, timeout=timeout
+                        coord,
+                        policy=policy,
+                        store_host=host,
+                        backend=backend,
+                        timeout=timeout,
+                        shared_memory=shared_memory,
                     )
                 except BaseException as exc:
                     coordinated["error"] = exc

@@ -36,6 +36,7 @@ def attach(
     policy: str = "balanced",
     timeout: float = 120.0,
     staging_cap_bytes: int | None = None,
+    shared_memory: bool = True,
 ) -> int:
     """Attach rollout-sync to the engine (joins the handshake); returns this rank's global rank."""
     from ..sync.trainer import TrainerSync
@@ -50,6 +51,7 @@ def attach(
         policy=policy,  # type: ignore[arg-type]
         timeout=timeout,
         staging_cap_bytes=staging_cap_bytes or DEFAULT_STAGING_CAP_BYTES,
+        shared_memory=shared_memory,
     )
     ctx.state["sync"] = sync
     return sync.endpoint.rank

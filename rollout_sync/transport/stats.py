@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,10 +21,10 @@ class ExecuteOptions:
     """Pack the next round while the current one is on the wire (two slots per peer and direction)."""
     zero_copy: bool = True
     """Send dense same-dtype segments straight from source storage into target storage, unstaged."""
-    shared_memory: bool = field(default_factory=lambda: os.environ.get("ROLLOUT_SYNC_SHARED_MEMORY") != "0")
-    """Between ranks on one host in different processes (CPU, gloo), stage messages in shared memory and
-    send only signals over the group (``shared_memory``); off (or ``ROLLOUT_SYNC_SHARED_MEMORY=0`` in the
-    environment): every byte goes over the group. Every rank must run the same way (agreed per sync)."""
+    shared_memory: bool = True
+    """Between ranks on one host in different processes (CPU, gloo), pull or stage bytes through memory
+    (``shared_memory``, ``cross_memory``) and send only signals over the group; off: every byte goes over
+    the group. Every rank must run the same way (agreed per sync; a handshake sets it for all)."""
 
     def __post_init__(self) -> None:
         if self.staging_cap_bytes <= 0:
