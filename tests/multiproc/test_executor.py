@@ -395,9 +395,9 @@ class _DiesOnAccess(Mapping):
         return len(self._storages)
 
 
-def _killed(rank: int, world: int, group, timeout: float) -> tuple[str, float, str]:
-    # Every rank holds rows of a 300 x 200 float32 tensor and receives columns: every rank sends to and
-    # receives from every other rank, in many small rounds.
+def killed_mid_run(rank: int, world: int, executor: Executor) -> tuple[str, float, str]:
+    """Every rank holds rows of a 300 x 200 float32 tensor and receives columns: every rank sends to and
+    receives from every other rank, in many small rounds; the last rank dies while unpacking."""
     import random as _random
 
     rng = _random.Random(0)
@@ -411,12 +411,16 @@ def _killed(rank: int, world: int, group, timeout: float) -> tuple[str, float, s
         targets = _DiesOnAccess(dict(targets), after=40)
     start = time.monotonic()
     try:
-        Executor(group, ExecuteOptions(staging_cap_bytes=4096, timeout=timeout)).execute(
-            plan.half(rank), sources, targets
-        )
+        executor.execute(plan.half(rank), sources, targets)
         return ("finished", time.monotonic() - start, "")
     except (PeerFailedError, SyncTimeoutError) as e:
         return (type(e).__name__, time.monotonic() - start, str(e))
+
+
+def _killed(rank: int, world: int, group, timeout: float) -> tuple[str, float, str]:
+    return killed_mid_run(
+        rank, world, Executor(group, ExecuteOptions(staging_cap_bytes=4096, timeout=timeout))
+    )
 
 
 def test_a_rank_killed_mid_run_makes_every_other_rank_raise_within_the_timeout() -> None:

@@ -6,12 +6,10 @@ from __future__ import annotations
 
 import os
 import secrets
-import time
-from collections.abc import Mapping
 
 import pytest
 import torch
-from test_executor import OPTION_SETS, _DiesOnAccess
+from test_executor import OPTION_SETS, killed_mid_run
 from test_executor_layouts import (
     bitwise_equal,
     expected_buffers,
@@ -21,7 +19,6 @@ from test_executor_layouts import (
     target_buffers,
 )
 
-from rollout_sync.errors import PeerFailedError, SyncTimeoutError
 from rollout_sync.planning.planner import plan_model
 from rollout_sync.transport import ExecuteOptions, Executor
 from rollout_sync.transport.shared_memory import SHM_PREFIX, SameHost, shm_dir
@@ -86,25 +83,10 @@ def test_random_plans_through_shared_slots_are_exact_and_leave_nothing_in_dev_sh
 
 
 def _killed(rank: int, world: int, group, timeout: float, group_id: str) -> tuple[str, float, str]:
-    import random as _random
-
     same_host = _same_host(group, rank, world, group_id)
-    rng = _random.Random(0)
-    shape = (300, 200)
-    src = side_map("w", shape, "float32", "rows", list(range(world)), rng)
-    tgt = side_map("w", shape, "float32", "cols", list(range(world)), rng)
-    plan = plan_model([src], [tgt])
-    sources = {"w": torch.ones(src.ranks[rank].shape)}
-    targets: Mapping[str, torch.Tensor] = {"w": torch.full(tgt.ranks[rank].shape, float("nan"))}
-    if rank == world - 1:
-        targets = _DiesOnAccess(dict(targets), after=40)
-    start = time.monotonic()
     executor = Executor(group, ExecuteOptions(staging_cap_bytes=4096, timeout=timeout), same_host=same_host)
     try:
-        executor.execute(plan.half(rank), sources, targets)
-        return ("finished", time.monotonic() - start, "")
-    except (PeerFailedError, SyncTimeoutError) as e:
-        return (type(e).__name__, time.monotonic() - start, str(e))
+        return killed_mid_run(rank, world, executor)
     finally:
         executor.close()
 
