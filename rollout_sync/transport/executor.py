@@ -15,8 +15,12 @@ Lifecycle of one sync (every rank of the group calls ``Executor.execute``, even 
    (the sender casts to a narrower target dtype while packing, the receiver otherwise); with ``overlap``
    the next round is packed while the current one is on the wire. Copies within the rank run while the
    first rounds are in flight, then the handoffs from peers in this process (each segment copied straight
-   from the peer's source storage: see ``schedule``). Every wait is bounded by ``timeout`` (a progress
-   timeout: no single message may take longer).
+   from the peer's source storage: ``handoff``), then the pulls from same-host peers (``pulls``). Every
+   wait is bounded by ``timeout`` (a progress timeout: no single message may take longer).
+
+Same host, other process (CPU, gloo, ``ExecuteOptions.shared_memory``): at the first sync with a peer, a
+probe (``pulls.probe_pulls``) finds whether each of the two can read the other's memory; packed messages'
+slots live in shared memory (``shared_memory``) and only signals cross the group.
 
 After a transport failure (``PeerFailedError`` / ``SyncTimeoutError``) the group's connections to the
 failed peer may be closed (gloo closes a pair on a timeout): build a new group before the next sync. A
@@ -31,8 +35,9 @@ close, unless nothing else is in flight. So targets stream through
 memory instead of all existing at once (a layer's loaded form that vLLM rebuilds into a kernel's form, on the
 rollout side).
 
-Staging (pack and unpack slots) lives in one arena per executor, allocated once and reused; its size is at
-most ``staging_cap_bytes``.
+Staging (pack and unpack slots) lives in one arena per executor, allocated once and reused, and in the
+shared segments it made for same-host peers; together at most ``staging_cap_bytes``. ``close`` releases the
+shared segments.
 """
 
 from __future__ import annotations
