@@ -41,8 +41,6 @@ _SHM_ENV = "ROLLOUT_SYNC_TEST_DS_SHM"
 Dtype = Literal["bf16", "fp32"]
 Optimizer = Literal["adamw", "sgd"]
 
-_SHM_ENV = "ROLLOUT_SYNC_TEST_DS_SHM"
-
 
 @dataclass(frozen=True)
 class DeepSpeedSpec:
@@ -117,9 +115,12 @@ def _deep_merge(base: dict[str, Any], extra: Mapping[str, Any]) -> dict[str, Any
 def skip_shm_build_unless_asked() -> None:
     if os.environ.get(_SHM_ENV, "0") == "1":
         return
-    import deepspeed.comm.torch as ds_torch_comm
+    import importlib
 
-    ds_torch_comm.build_shm_op = lambda: None
+    # ``import deepspeed.comm.torch as m`` binds the attribute ``torch`` of ``deepspeed.comm``: the torch
+    # library itself, not DeepSpeed's module (so the patch used to miss and the op was built anyway)
+    ds_torch_comm = importlib.import_module("deepspeed.comm.torch")
+    setattr(ds_torch_comm, "build_shm_op", lambda: None)  # noqa: B010 (a module attribute)
 
 
 def init_distributed_from_env() -> None:
