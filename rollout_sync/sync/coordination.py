@@ -75,10 +75,6 @@ def check_backend(backend: str, devices: Mapping[str, object]) -> None:
         )
 
 
-def peer_name(p: Any) -> str:
-    return f"trainer rank {p.local_rank}" if p.role == TRAINER else f"engine {p.group} worker {p.local_rank}"
-
-
 def locality(places: Mapping[int, tuple[str, int]]) -> tuple[list[list[int]], list[list[int]]]:
     """The ranks that share a process, and those that share a host (groups of two or more, sorted): what
     the plan depends on, not the pids themselves."""
@@ -152,13 +148,19 @@ def coordinate(
                     f"trainer rank {p.local_rank} describes its storage differently from trainer rank 0 "
                     f"(maps digest {str(p.fields.get('maps_digest'))[:12]}, rank 0 has {expected[:12]})"
                 )
-        check_backend(backend, {peer_name(p): p.fields.get("device") for p in peers})
-        rollout = [p for p in peers if p.role == ROLLOUT]
-        places = {
-            coord.global_rank(p): (str(p.fields.get("host", "")), int(p.fields.get("pid", 0) or 0))
+        roster = [
+            RosterEntry(
+                coord.global_rank(p),
+                None if p.role == TRAINER else p.group,
+                p.local_rank,
+                str(p.fields.get("host", "")),
+                int(p.fields.get("pid", 0) or 0),
+            )
             for p in peers
-            if p.fields.get("host")
-        }
+        ]
+        check_backend(backend, {e.role: p.fields.get("device") for e, p in zip(roster, peers, strict=True)})
+        rollout = [p for p in peers if p.role == ROLLOUT]
+        places = {e.rank: (e.host, e.pid) for e in roster if e.host}
         if policy == "balanced":  # nearest holders first (a colocated trainer rank copies in its own process)
             policy_used: ReplicaPolicy = Balanced(places)
         else:
@@ -191,16 +193,6 @@ def coordinate(
         plan, reused = cache.get_or_build(version, build) if cache is not None else (build(), False)
         world = coord.world_size
         store = connect_store(store_host, 0, world, is_master=True, timeout=timeout)
-        roster = [
-            RosterEntry(
-                coord.global_rank(p),
-                None if p.role == TRAINER else p.group,
-                p.local_rank,
-                str(p.fields.get("host", "")),
-                int(p.fields.get("pid", 0) or 0),
-            )
-            for p in peers
-        ]
         common = {
             "group_id": secrets.token_hex(8),  # names this group in ranks' in-process mailboxes
             "roster": encode_roster(roster),

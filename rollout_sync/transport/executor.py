@@ -53,7 +53,7 @@ from ..planning.plan import PlanHalf
 from . import agreement, cross_memory
 from .fingerprint import pair_sums, table_hash
 from .groups import group_backend, group_rank, group_size
-from .handoff import copy_handoff
+from .handoff import copy_handoff, copy_segments
 from .in_process import InProcess
 from .local_check import check_storages
 from .p2p import Op, Pending, Transport, transport_for
@@ -108,14 +108,13 @@ class Executor:
         self.world = group_size(group)
         self.backend = group_backend(group)
         self.arena = StagingArena()
-        # ranks on this host in other processes: their messages' bytes go through shared slots (CPU, gloo)
-        use = same_host is not None and self.backend == "gloo" and self.options.shared_memory
-        self.shared_slots = SharedSlots(same_host) if use and same_host is not None else None
+        self.in_process: frozenset[int] = local.peers if local is not None else frozenset()
+        # ranks on this host in other processes: their bytes are pulled or go through shared slots (CPU, gloo)
+        self.shared_slots: SharedSlots | None = None
         self.shared: frozenset[int] = frozenset()
-        if self.shared_slots is not None:
-            self.shared = frozenset(self.shared_slots.same_host.peers) - (
-                local.peers if local else frozenset()
-            )
+        if same_host is not None and self.backend == "gloo" and self.options.shared_memory:
+            self.shared_slots = SharedSlots(same_host)
+            self.shared = frozenset(same_host.peers) - self.in_process
         self.pulls_from: frozenset[int] = frozenset()  # same-host peers this rank can read (probed)
         self.pulled_by: frozenset[int] = frozenset()  # same-host peers that can read this rank
         self._probed: set[int] = set()
@@ -123,7 +122,6 @@ class Executor:
         self._cached: tuple[tuple[Any, ...], Program] | None = None
         self._fingerprints: tuple[PlanHalf, bytes, tuple[int, int]] | None = None
         self._checked: PlanHalf | None = None
-        self.in_process: frozenset[int] = local.peers if local is not None else frozenset()
 
     @property
     def depth(self) -> int:
@@ -302,7 +300,7 @@ class Executor:
             staging_cap_bytes=self.options.staging_cap_bytes,
             seconds=clock.seconds,
             bytes_handed=dict(program.bytes_handed),
-            bytes_pulled=pulled_bytes(program, self.pulls_from),
+            bytes_pulled=pulled_bytes(self._pull_plan(program)),
         )
 
     @property
@@ -484,13 +482,7 @@ class Executor:
         for r in range(1, min(depth, rounds)):
             post(r)
         t = time.perf_counter()
-        for s in schedule.local:
-            tensor = half.tensors[s.tensor]
-            src, dst = sources[tensor.name], targets.get(tensor.name)
-            torch.as_strided(dst, s.extent, s.target_strides, dst.storage_offset() + s.target_offset).copy_(
-                torch.as_strided(src, s.extent, s.source_strides, src.storage_offset() + s.source_offset)
-            )
-            targets.landed(tensor.name)
+        copy_segments(schedule.local, half, sources, targets)
         for peer, handed in schedule.handoff_from:
             taken.add(peer)
             copy_handoff(transport, peer, handed, half, targets)

@@ -79,15 +79,20 @@ class Transport:
     ) -> Pending:
         """A small message over the group (8 bytes unless ``tensor`` is given): "tag packed", "tag unpacked,
         its slot is free" (tag + 1), a pull's address table, "pulled"."""
-        op = Op(kind, torch.zeros(1, dtype=torch.int64) if tensor is None else tensor, peer, tag, label)
+        return self._post_one(
+            Op(kind, torch.zeros(1, dtype=torch.int64) if tensor is None else tensor, peer, tag, label)
+        )
+
+    def _post_one(self, op: Op) -> Pending:
+        """``op`` on the group as it is (its own work)."""
         try:
-            if kind == "send":
-                work = self.group.send([op.tensor], peer, tag)
+            if op.kind == "send":
+                work = self.group.send([op.tensor], op.peer, op.tag)
             else:
-                work = self.group.recv([op.tensor], peer, tag)
+                work = self.group.recv([op.tensor], op.peer, op.tag)
         except RuntimeError as e:
-            raise self._error(kind, peer, label, str(e)) from e
-        return Pending(work, peer, kind, label)
+            raise self._error(op.kind, op.peer, op.label, str(e)) from e
+        return Pending(work, op.peer, op.kind, op.label)
 
     def consumed(self, peer: int, tag: int, label: str) -> Pending | None:
         """This rank unpacked message ``tag`` from a shared slot of ``peer``: tell the peer the slot is free."""
@@ -125,14 +130,7 @@ class Transport:
                 if op.kind == "send":  # done only when the peer has unpacked it: the slot is free again
                     pending.append(self.signal("recv", op.peer, op.tag + 1, op.label + " (slot freed)"))
                 continue
-            try:
-                if op.kind == "send":
-                    work = self.group.send([op.tensor], op.peer, op.tag)
-                else:
-                    work = self.group.recv([op.tensor], op.peer, op.tag)
-            except RuntimeError as e:
-                raise self._error(op.kind, op.peer, op.label, str(e)) from e
-            pending.append(Pending(work, op.peer, op.kind, op.label))
+            pending.append(self._post_one(op))
         return pending
 
     def wait(self, pending: Sequence[Pending]) -> None:

@@ -25,17 +25,14 @@ PROBE_TAG = 1 << 30
 (+ 3): above every message tag."""
 
 
-def pulled_bytes(program: Program, pulls_from: frozenset[int]) -> dict[int, int]:
-    out: dict[int, int] = {}
-    for m, _ in program.direct_receives:
-        if m.peer in pulls_from:
-            out[m.peer] = out.get(m.peer, 0) + m.nbytes
-    return out
-
-
 PullPlan = dict[int, list[tuple[Message, str, torch.Tensor]]]
 """Per peer this rank pulls from: each pulled message, its tensor's name, and its runs as an int64 tensor
 of rows ``(source element offset, target element offset, count)``."""
+
+
+def pulled_bytes(plan: PullPlan) -> dict[int, int]:
+    """Bytes this rank pulls from each peer per sync."""
+    return {peer: sum(m.nbytes for m, _, _ in messages) for peer, messages in plan.items()}
 
 
 def pull_plan(program: Program, pulls_from: frozenset[int]) -> PullPlan:
