@@ -153,9 +153,16 @@ class SharedSegments:
         self.slots = slots
         self.schedule = schedule
         self.key = key
+        self.found: dict[tuple[str, int], torch.Tensor] = {}  # looked up once per transfer, not per message
 
     def of(self, direction: str, peer: int) -> torch.Tensor:
+        found = self.found.get((direction, peer))
+        if found is not None:
+            return found
         nbytes = self.schedule.shared_bytes[(direction, peer)]
         if direction == "send":
-            return self.slots.send_segment(peer, nbytes, self.key(peer))
-        return self.slots.recv_segment(peer, nbytes, self.key(peer))
+            found = self.slots.send_segment(peer, nbytes, self.key(peer))
+        else:
+            found = self.slots.recv_segment(peer, nbytes, self.key(peer))
+        self.found[(direction, peer)] = found
+        return found
