@@ -88,6 +88,11 @@ class UnsupportedLayoutError(LayoutError):
     """A legitimate layout this project does not express (a scale other than 1, offloaded storage, ...)."""
 
 
+class TargetMismatchError(LayoutError):
+    """Target maps built from a model's shapes disagree with what vLLM's own loaders do on the live engine
+    (or with the full loader probe): names the tensor, the rank and the first wrong logical position."""
+
+
 class ReplicaPolicyError(LayoutError):
     """A replica policy chose a rank that does not hold the box."""
 

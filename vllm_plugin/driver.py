@@ -35,8 +35,12 @@ def setup_engines(
     *,
     tensors: Mapping[str, Sequence[int]] | None = None,
     max_pieces: int = DEFAULT_MAX_PIECES,
+    maps: str = "fast",
+    reports: list[list[dict[str, Any]]] | None = None,
 ) -> RolloutTargets:
-    """Probe every worker of every engine and return the merged, coverage-checked target maps."""
+    """Set up every worker of every engine (``maps``: how workers learn their targets, ``"fast"``,
+    ``"probe"`` or ``"verify"``: ``vllm_plugin.targets``) and return the merged, coverage-checked target
+    maps. ``reports``, if given, receives each engine's worker summaries (with their setup reports)."""
     ranks: list[tuple[int, ...]] = []
     refused: dict[str, list[int]] = {}
     next_rank = first_rank
@@ -49,6 +53,7 @@ def setup_engines(
                 "first_rank": next_rank,
                 "tensors": {k: list(v) for k, v in tensors.items()} if tensors else None,
                 "max_pieces": max_pieces,
+                "maps": maps,
             },
         )
         got = tuple(int(s["rank"]) for s in summaries)
@@ -58,6 +63,8 @@ def setup_engines(
         for s in summaries:
             for name in s["refused"]:
                 refused.setdefault(name, []).append(int(s["rank"]))
+        if reports is not None:
+            reports.append([dict(s) for s in summaries])
         ranks.append(got)
         next_rank += len(summaries)
     for name, holders in sorted(refused.items()):

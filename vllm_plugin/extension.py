@@ -39,9 +39,11 @@ class RolloutSyncExtension:
         first_rank: int = 0,
         tensors: Mapping[str, Sequence[int]] | None = None,
         max_pieces: int = DEFAULT_MAX_PIECES,
+        maps: str = "fast",
     ) -> dict[str, Any]:
-        """Probe vLLM's loaders and build this worker's targets; this worker is global rank ``first_rank +
-        tp_rank``. Returns a summary (rank, refused tensors with reasons, derived copies, probe time)."""
+        """Learn this worker's targets (``maps``: ``"fast"``, ``"probe"`` or ``"verify"``,
+        ``vllm_plugin.targets``); this worker is global rank ``first_rank + tp_rank``. Returns a summary
+        (rank, refused tensors with reasons, derived copies, setup report and times)."""
         from vllm.distributed.parallel_state import get_tp_group
 
         worker = RolloutWorker.setup(
@@ -51,6 +53,7 @@ class RolloutSyncExtension:
             first_rank=first_rank,
             tensors=tensors,
             max_pieces=max_pieces,
+            maps=maps,
         )
         self.rollout_sync_worker = worker
         return worker.summary()

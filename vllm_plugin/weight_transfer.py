@@ -48,6 +48,9 @@ class RolloutSyncInitInfo(WeightTransferInitInfo):
     """Logical tensors (name -> shape); None: the tensors of the checkpoint the engine was started from."""
     max_pieces: int = DEFAULT_MAX_PIECES
     """Most affine pieces one storage may need before its loader is refused."""
+    maps: str = "fast"
+    """How each worker learns its target maps: ``"fast"`` (from shapes, checked by a loader trace),
+    ``"probe"`` (element probe) or ``"verify"`` (both, compared); see ``vllm_plugin.targets``."""
     address: str = ""
     """The trainer's coordinator (``tcp://HOST:PORT``): join the sync group through the handshake (blocks
     until every trainer rank and worker has joined). Empty: updates come from checkpoints only."""
@@ -94,6 +97,7 @@ class RolloutSyncWeightTransferEngine(WeightTransferEngine[RolloutSyncInitInfo, 
             first_rank=init_info.first_rank,
             tensors=init_info.tensors,
             max_pieces=init_info.max_pieces,
+            maps=init_info.maps,
         )
         if init_info.address:
             from .link import connect

@@ -40,7 +40,7 @@ from rollout_sync.rollout.apply import (
 )
 from rollout_sync.rollout.checkpoint import logical_tensors, read_tensors
 from rollout_sync.rollout.codec import local_targets_to_dict
-from rollout_sync.rollout.probe import DEFAULT_MAX_PIECES, LocalTargets, TargetsBuilder, fallback_map
+from rollout_sync.rollout.probe import DEFAULT_MAX_PIECES, LocalTargets, fallback_map
 
 from .loaded_form import LoadedForms
 
@@ -76,7 +76,7 @@ class RolloutWorker:
         derived: Sequence[DerivedCopy],
         *,
         tp_rank: int,
-        probe_seconds: float,
+        setup_report: Mapping[str, Any],
         fallback_dtype: str,
         shapes: Mapping[str, tuple[int, ...]],
         loaded_forms: LoadedForms | None = None,
@@ -90,7 +90,7 @@ class RolloutWorker:
         self.targets = targets
         self.derived = list(derived)
         self.tp_rank = tp_rank
-        self.probe_seconds = probe_seconds
+        self.setup_report = dict(setup_report)
         self.session: UpdateSession | None = None
         self.updates = 0
         self._guard: Any = None
@@ -109,12 +109,14 @@ class RolloutWorker:
         first_rank: int,
         tensors: Mapping[str, Sequence[int]] | None = None,
         max_pieces: int = DEFAULT_MAX_PIECES,
+        maps: str = "fast",
     ) -> RolloutWorker:
-        """Probe the model's loaders and build this worker's targets. ``tensors``: logical tensor name ->
-        shape; by default every tensor of the checkpoint the engine was started from."""
+        """Learn this worker's targets (``maps``: ``"fast"``, ``"probe"`` or ``"verify"``, see
+        ``vllm_plugin.targets``). ``tensors``: logical tensor name -> shape; by default every tensor of the
+        checkpoint the engine was started from."""
         from .derived import derived_copies
         from .loaded_form import LoadedForms
-        from .probing import probe_model
+        from .targets import find_targets
 
         parallel = vllm_config.parallel_config
         if parallel.pipeline_parallel_size != 1:
@@ -131,17 +133,16 @@ class RolloutWorker:
             shapes = {str(n): tuple(int(x) for x in s) for n, s in tensors.items()}
         forms = LoadedForms.find(model)
         model_dtype = str(vllm_config.model_config.dtype).removeprefix("torch.")
-        builder = TargetsBuilder(first_rank + tp_rank, fallback_dtype=model_dtype, max_pieces=max_pieces)
-        with forms.probing():  # transformed layers in their loaded form while the loaders are probed
-            result = probe_model(
+        with forms.probing():  # transformed layers in their loaded form while the loaders are read
+            targets, report = find_targets(
                 model,
+                vllm_config,
                 shapes,
                 rank=first_rank + tp_rank,
-                observe=lambda seen: builder.add(
-                    seen.name, seen.shape, seen.dtype or model_dtype, seen.landings, seen.error
-                ),
+                tp_rank=tp_rank,
+                max_pieces=max_pieces,
+                maps=maps,
             )
-        targets = builder.build()
         forms.bind(targets.views)  # refuses a layer that cannot be rebuilt from what the plan delivers
         derived = derived_copies(model, targets.views)
         return cls(
@@ -149,7 +150,7 @@ class RolloutWorker:
             targets,
             derived,
             tp_rank=tp_rank,
-            probe_seconds=result.seconds,
+            setup_report=report,
             fallback_dtype=model_dtype,
             shapes=shapes,
             loaded_forms=forms,
@@ -193,7 +194,9 @@ class RolloutWorker:
             "refused": dict(self.targets.refused),
             "absent": list(self.targets.absent),
             "derived": [d.name for d in self.derived],
-            "probe_seconds": self.probe_seconds,
+            "probe_seconds": self.setup_report.get("probe_seconds", 0.0),
+            "maps_seconds": self.setup_report.get("seconds", 0.0),
+            "setup": dict(self.setup_report),
         }
 
     def local_targets_dict(self) -> dict[str, Any]:

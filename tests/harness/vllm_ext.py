@@ -96,6 +96,23 @@ class TestWorkerExtension(RolloutSyncExtension):
         self.rs_rollout_test_loaders = {}
         return len(saved)
 
+    def rs_rollout_test_skewed_setup(self, first_rank: int, vocab_padding: int) -> str | None:
+        """Run the fast setup with shape tables that pad the vocab to ``vocab_padding`` rows instead of
+        vLLM's: the error it raises (``"Type: message"``), or None. The worker's targets are unchanged."""
+        import functools
+
+        import vllm_plugin.targets as targets
+
+        original = targets.shape_targets
+        targets.shape_targets = functools.partial(original, vocab_padding=vocab_padding)  # type: ignore[assignment]
+        try:
+            self.rollout_sync_setup(first_rank=first_rank)
+        except Exception as exc:
+            return f"{type(exc).__name__}: {exc}"
+        finally:
+            targets.shape_targets = original  # type: ignore[assignment]
+        return None
+
     def rs_rollout_test_fill_uncovered(self, value: float) -> int:
         worker = self.rollout_sync_get()
         params = worker.params()
