@@ -112,3 +112,18 @@ class BenchExtension(RolloutSyncExtension):
         memory = PeakMemory().start()
         report = self.rollout_sync_receive()
         return {**report, "extra_bytes": memory.stop(), "memory_method": memory.method}
+
+    def rollout_sync_bench_setup(self, first_rank: int, maps: str) -> dict[str, Any]:
+        """``rollout_sync_setup`` with its peak extra RSS and wall time in this worker, and the targets it
+        found (``rollout_sync.rollout.codec`` form), for the ``setup`` benchmark."""
+        memory = PeakMemory().start()
+        start = time.perf_counter()
+        summary = self.rollout_sync_setup(first_rank=first_rank, maps=maps)
+        seconds = time.perf_counter() - start
+        return {
+            "summary": summary,
+            "seconds": seconds,
+            "extra_bytes": memory.stop(),
+            "memory_method": memory.method,
+            "targets": self.rollout_sync_local_targets(),
+        }
