@@ -35,27 +35,24 @@ def setup_engines(
     *,
     tensors: Mapping[str, Sequence[int]] | None = None,
     max_pieces: int = DEFAULT_MAX_PIECES,
-    maps: str = "fast",
+    maps: str | None = None,
     reports: list[list[dict[str, Any]]] | None = None,
 ) -> RolloutTargets:
     """Set up every worker of every engine (``maps``: how workers learn their targets, ``"fast"``,
-    ``"probe"`` or ``"verify"``: ``vllm_plugin.targets``) and return the merged, coverage-checked target
+    ``"probe"`` or ``"verify"``, ``vllm_plugin.targets``; None: the extension's default) and return the merged, coverage-checked target
     maps. ``reports``, if given, receives each engine's worker summaries (with their setup reports)."""
     ranks: list[tuple[int, ...]] = []
     refused: dict[str, list[int]] = {}
     next_rank = first_rank
     for k, engine in enumerate(engines):
-        summaries = call(
-            engine,
-            "setup",
-            name=str(k),
-            kwargs={
-                "first_rank": next_rank,
-                "tensors": {k: list(v) for k, v in tensors.items()} if tensors else None,
-                "max_pieces": max_pieces,
-                "maps": maps,
-            },
-        )
+        kwargs: dict[str, Any] = {
+            "first_rank": next_rank,
+            "tensors": {k: list(v) for k, v in tensors.items()} if tensors else None,
+            "max_pieces": max_pieces,
+        }
+        if maps is not None:
+            kwargs["maps"] = maps
+        summaries = call(engine, "setup", name=str(k), kwargs=kwargs)
         got = tuple(int(s["rank"]) for s in summaries)
         expected = tuple(range(next_rank, next_rank + len(summaries)))
         if got != expected:

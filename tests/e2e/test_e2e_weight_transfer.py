@@ -31,7 +31,14 @@ def test_vllms_weight_transfer_api_receives_each_sync_and_sets_the_weight_versio
             pool.call(setup, DeepSpeedSpec("dense", 3), str(model))
             address = f"tcp://127.0.0.1:{free_port()}"
             pending = pool.submit(attach, address, TOKEN, 1, 1, "balanced", 90.0)
-            init_info = {"first_rank": 2, "address": address, "engine": 0, "token": TOKEN, "timeout": 90.0}
+            init_info = {
+                "first_rank": 2,
+                "address": address,
+                "engine": 0,
+                "token": TOKEN,
+                "timeout": 90.0,
+                "maps": "verify",
+            }
             llm.init_weight_transfer_engine({"init_info": init_info})
             assert pending.result(240) == [0, 1]
             for step in (1, 2):

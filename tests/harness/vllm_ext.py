@@ -9,6 +9,10 @@ with ``rs_harness_`` or ``rs_rollout_test_``. Runs in the spawned worker: the re
 - ``rs_rollout_test_scale_loader``: replaces one parameter's weight loader by one that scales what it
   copies, i.e. a *transforming* loader (as a quantizing loader would be), to check that it is refused;
   ``rs_rollout_test_restore_loaders`` puts the originals back;
+- ``rollout_sync_setup`` defaults to ``maps="verify"``: every engine a test sets up compares the fast
+  targets with the element probe's (a difference fails the setup);
+- ``rs_rollout_test_skewed_setup``: the fast setup with a wrong vocab padding in the shape tables, to
+  check that the loader trace refuses it;
 - ``rs_rollout_test_fill_uncovered`` / ``rs_rollout_test_uncovered_values``: write a sentinel into every
   element no storage view covers (padding) and read those elements back, to check that a sync never
   writes them;
@@ -30,6 +34,7 @@ import torch
 
 from rollout_sync.rollout.apply import write_segment
 from rollout_sync.rollout.checkpoint import read_tensors
+from rollout_sync.rollout.probe import DEFAULT_MAX_PIECES
 from rollout_sync.testing.packing import dense_linears, pack_linears
 from vllm_plugin.extension import RolloutSyncExtension
 
@@ -96,6 +101,17 @@ class TestWorkerExtension(RolloutSyncExtension):
         self.rs_rollout_test_loaders = {}
         return len(saved)
 
+    def rollout_sync_setup(
+        self,
+        first_rank: int = 0,
+        tensors: Mapping[str, Sequence[int]] | None = None,
+        max_pieces: int = DEFAULT_MAX_PIECES,
+        maps: str = "verify",
+    ) -> dict[str, Any]:
+        """The product's setup, comparing the fast path with the element probe on every engine a test
+        starts (``maps="verify"`` unless a test asks for another mode)."""
+        return super().rollout_sync_setup(first_rank, tensors, max_pieces, maps)
+
     def rs_rollout_test_skewed_setup(self, first_rank: int, vocab_padding: int) -> str | None:
         """Run the fast setup with shape tables that pad the vocab to ``vocab_padding`` rows instead of
         vLLM's: the error it raises (``"Type: message"``), or None. The worker's targets are unchanged."""
@@ -106,7 +122,7 @@ class TestWorkerExtension(RolloutSyncExtension):
         original = targets.shape_targets
         targets.shape_targets = functools.partial(original, vocab_padding=vocab_padding)  # type: ignore[assignment]
         try:
-            self.rollout_sync_setup(first_rank=first_rank)
+            self.rollout_sync_setup(first_rank=first_rank, maps="fast")
         except Exception as exc:
             return f"{type(exc).__name__}: {exc}"
         finally:

@@ -338,7 +338,7 @@ def test_vllms_weight_transfer_routes_drive_a_sync_and_report_its_weight_version
     engine = servers[0].engine  # started with --weight-transfer-config '{"backend": "rollout_sync"}'
     address = f"tcp://127.0.0.1:{free_port()}"
     pending = trainer.live().submit(reattach, address, 1, SYNC_TIMEOUT)
-    init_info = {"first_rank": TRAINERS, "address": address, "engine": 0, "token": TOKEN}
+    init_info = {"first_rank": TRAINERS, "address": address, "engine": 0, "token": TOKEN, "maps": "verify"}
     engine.request("/init_weight_transfer_engine", {"init_info": {**init_info, "timeout": SYNC_TIMEOUT}})
     pending.result(SYNC_TIMEOUT * 3)
     for _ in range(2):

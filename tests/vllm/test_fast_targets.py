@@ -43,7 +43,7 @@ def test_fast_targets_equal_the_element_probe_on_moe_engines(vllm_pool, tiny_mod
 def test_fast_setup_probes_nothing_and_reports_its_time(vllm_pool, tiny_model):
     live = vllm_pool.get(shared_spec(tiny_model("dense"), 2))
     reports: list[list[dict[str, Any]]] = []
-    setup_engines([live.llm], first_rank=0, reports=reports)
+    setup_engines([live.llm], first_rank=0, maps="fast", reports=reports)
     for s in reports[0]:
         assert s["setup"]["maps"] == "fast" and s["setup"]["probed"] == 0
         assert s["probe_seconds"] < s["maps_seconds"] or s["probe_seconds"] == 0.0

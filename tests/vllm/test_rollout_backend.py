@@ -56,7 +56,7 @@ def run(tiny_model: Any, vllm_pool: Any) -> Iterator[Run]:
         llm = engine.llm
         fresh = snapshot(engine)
         targets = setup_engines([llm])  # the extension's view of the same worker (for the map checks)
-        llm.init_weight_transfer_engine({"init_info": {"first_rank": 0}})
+        llm.init_weight_transfer_engine({"init_info": {"first_rank": 0, "maps": "verify"}})
         versions = []
         _update(llm, a, "a")
         versions.append(llm.get_weight_version())
