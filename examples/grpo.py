@@ -167,7 +167,18 @@ def main(argv: list[str] | None = None) -> int:
     ) as pool:
         setup_s = max(pool.call(setup, spec, str(model)))
         print(f"[grpo] DeepSpeed engines up in {setup_s:.0f} s", flush=True)
-        setup_engines([llm], first_rank=trainers)
+        started = time.perf_counter()
+        reports: list[list[dict[str, Any]]] = []
+        setup_engines([llm], first_rank=trainers, reports=reports)
+        found = reports[0][0]["setup"]
+        print(
+            f"[grpo] vLLM target maps in {time.perf_counter() - started:.2f} s ({found['maps']}: "
+            f"{found['from_shapes']} tensors from shapes, checked by the loader trace in "
+            f"{found['trace_seconds']:.2f} s; {found['probed']} probed element by element in "
+            f"{found['probe_seconds']:.2f} s)",
+            flush=True,
+        )
+        summary["rollout_setup_s"] = round(time.perf_counter() - started, 3)
         if args.verify:  # layers vLLM keeps packed (empty weights) are verified through their loaded form
             llm.collective_rpc("rollout_sync_record_loaded", args=(True,))
         address = f"tcp://127.0.0.1:{free_port()}"

@@ -414,9 +414,8 @@ def run_row(
         extra["zero_optimization"] = dict(BUCKETS)
     spec = DeepSpeedSpec("dense-tied", zero_stage=stage, optimizer="sgd", extra_config=extra)
     with RankPool(TRAINERS, env=TRAINER_ENV, timeout=timeout * 4) as pool:
-        # The engine and its loader probe first, so that the probe's peak (its largest tensor: a probe
-        # buffer and a window of 4 bytes an element each, the 77.8M-element vocab shard) does not add to
-        # the trainer ranks' memory.
+        # The engine and its setup first (target maps from shapes, checked by tracing the loaders; the
+        # element probe only where that cannot follow a loader), before the trainer ranks exist.
         start = time.perf_counter()
         llm, pids = start_engine(model)
         _log(f"{trainer}: vLLM TP-{TP} engine started in {time.perf_counter() - start:.1f} s")
@@ -425,7 +424,7 @@ def run_row(
             _log(f"{trainer}: dense linear layers {packing}")
             start = time.perf_counter()
             setup_engines([llm], first_rank=TRAINERS)
-            _log(f"{trainer}: engine probed in {time.perf_counter() - start:.1f} s")
+            _log(f"{trainer}: target maps in {time.perf_counter() - start:.1f} s")
             summaries = llm.collective_rpc("rollout_sync_summary")
             start = time.perf_counter()
             pool.call(setup, spec, str(model))

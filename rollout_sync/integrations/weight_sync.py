@@ -154,7 +154,11 @@ class WeightSync:
             "attach_s": round(time.perf_counter() - started, 3),
             "rollout_setup_s": round(probe_s, 3),
             "engines": self.rollout.engines,
-            **{k: v for k, v in rollout_setup.items() if k in ("probe_seconds", "engine_tensors")},
+            **{
+                k: v
+                for k, v in rollout_setup.items()
+                if k in ("maps_seconds", "probe_seconds", "engine_tensors")
+            },
         }
 
     def sync(self, version: int | None = None) -> SyncResult:
