@@ -1,11 +1,12 @@
-"""Which boxes overlap: a plane sweep, not all pairs.
+"""Which boxes overlap (a plane sweep, not all pairs), and where a set of boxes leaves a hole.
 
 Boxes are plain ``(origin, extent)`` tuples of ints, all of one ndim and none empty (every extent >= 1).
 Two queries serve validation and planning:
 
 - ``first_overlap(boxes)``: some pair of boxes of one set that share an element, or None;
 - ``overlapping_pairs(a, b)``: every pair ``(i, j)`` with ``a[i]`` and ``b[j]`` sharing an element, where
-  the boxes of ``a`` are pairwise disjoint and so are those of ``b`` (validated maps guarantee this).
+  the boxes of ``a`` are pairwise disjoint and so are those of ``b`` (validated maps guarantee this);
+- ``first_uncovered(shape, boxes)``: the first position of a tensor that disjoint boxes leave uncovered.
 
 The sweep runs along axis 0. A box is *active* while the sweep coordinate is inside its axis-0 range; a pair
 is reported when the later of its two boxes enters, against the boxes of the other set that are active.
@@ -195,3 +196,27 @@ def _interval_pairs(a: Sequence[BoxTuple], b: Sequence[BoxTuple]) -> list[tuple[
         else:
             j += 1
     return out
+
+
+def first_uncovered(shape: Sequence[int], boxes: Sequence[BoxTuple]) -> tuple[int, ...] | None:
+    """The first position of a tensor of ``shape``, in row-major order, that no box of ``boxes`` (pairwise
+    disjoint, inside the tensor) contains; None when they cover it all.
+
+    Along axis 0 the boxes containing a coordinate change only at box origins and ends, so only those
+    coordinates (and 0) are candidates; at each, in order, the boxes containing it are projected onto the
+    remaining axes and searched the same way. Cost: ``O(n²)`` in the number of boxes per axis, fine for the
+    boxes one engine holds of one tensor."""
+    if not shape:
+        return None if boxes else ()
+    if 0 in shape:
+        return None
+    n = shape[0]
+    cuts = sorted({0, *(o[0] for o, _ in boxes), *(o[0] + e[0] for o, e in boxes)})
+    for c in cuts:
+        if c >= n:
+            break
+        inside = [(o[1:], e[1:]) for o, e in boxes if o[0] <= c < o[0] + e[0]]
+        rest = first_uncovered(shape[1:], inside)
+        if rest is not None:
+            return (c, *rest)
+    return None

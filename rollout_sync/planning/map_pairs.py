@@ -8,13 +8,23 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from itertools import pairwise
+from math import prod
 from operator import attrgetter
 
-from ..errors import CoverageError, LayoutError, ShapeMismatchError
+from ..errors import CoverageError, HoleError, LayoutError, ShapeMismatchError
 from ..layout.maps import TensorMap
+from ..layout.sweep import first_uncovered
 from .plan import PlannedTensor
 
-__all__ = ["LayoutKey", "SharedLayouts", "check_shapes", "choice_free", "matched_pairs", "planned_tensor"]
+__all__ = [
+    "LayoutKey",
+    "SharedLayouts",
+    "check_shapes",
+    "check_target_covers",
+    "choice_free",
+    "matched_pairs",
+    "planned_tensor",
+]
 
 LayoutKey = tuple[int, int, tuple[int, ...]]  # (id of source regions, id of target regions, shape)
 
@@ -24,7 +34,9 @@ def matched_pairs(
 ) -> list[tuple[TensorMap, TensorMap]]:
     """``(source, target)`` maps of the same logical tensor, in the plan's tensor order (target names
     sorted), with the planner's refusals: a name described twice on one side, a target without a source
-    (``CoverageError``), different logical shapes (``ShapeMismatchError``)."""
+    (``CoverageError``), a target that leaves some element of its tensor to no rank (``HoleError``, naming
+    the first uncovered position: those elements would stay stale), different logical shapes
+    (``ShapeMismatchError``)."""
     by_name = {m.name: m for m in sources}
     if len(by_name) != len(sources):
         seen: set[str] = set()
@@ -47,9 +59,25 @@ def matched_pairs(
                 expected="a source map of the same name",
                 found="none",
             )
+        check_target_covers(t)
         pairs.append((s, t))
     check_all_shapes(pairs)
     return pairs
+
+
+def check_target_covers(target: TensorMap) -> None:
+    """``HoleError`` unless the target map's boxes (over all its ranks) cover every element of its tensor
+    (as DeepSpeed's planner refuses "target pieces do not cover the full logical parameter")."""
+    regions = target.regions
+    if sum(prod(extent) for _, extent, _ in regions) == prod(target.shape):
+        return
+    hole = first_uncovered(target.shape, [(origin, extent) for origin, extent, _ in regions])
+    raise HoleError(
+        f"no target rank holds some elements of this tensor: first uncovered position {list(hole or ())}",
+        tensor=target.name,
+        expected=f"every element of {target.shape} held by some target rank",
+        found=f"{sum(prod(extent) for _, extent, _ in regions)} of {prod(target.shape)} elements",
+    )
 
 
 def check_all_shapes(pairs: Sequence[tuple[TensorMap, TensorMap]], most: int = 10) -> None:

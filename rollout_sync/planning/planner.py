@@ -36,7 +36,7 @@ from ..layout.dtypes import ITEMSIZE
 from ..layout.maps import TensorMap
 from ..layout.sweep import overlapping_pairs
 from ..layout.validate import Address, Region
-from .map_pairs import check_shapes, matched_pairs, planned_tensor
+from .map_pairs import check_shapes, check_target_covers, matched_pairs, planned_tensor
 from .merge import Raw
 from .plan import Plan, PlannedTensor, Segment
 from .policy import Balanced, ReplicaPolicy, ReplicaRequest, check_choice
@@ -75,8 +75,9 @@ class _Chooser:
 
 def plan_tensor(source: TensorMap, target: TensorMap, policy: ReplicaPolicy = "lowest") -> list[Segment]:
     """The segments that fill ``target`` from ``source`` (one logical tensor; ``Segment.tensor`` is 0),
-    in plan order. Names are not compared; shapes are."""
+    in plan order. Names are not compared; shapes are, and the target must cover its tensor."""
     check_shapes(source, target)
+    check_target_covers(target)
     rows = _plan_records(source, target, _Chooser(policy))
     n = len(source.shape)
     return [

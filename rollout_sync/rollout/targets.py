@@ -18,6 +18,7 @@ from ..errors import CoverageError, HoleError, LayoutError, OverlapError
 from ..layout.box import Box
 from ..layout.combine import merge
 from ..layout.maps import TensorMap
+from ..layout.sweep import first_overlap, first_uncovered
 from .probe import LocalTargets, StorageView
 
 __all__ = ["RolloutTargets", "assemble", "check_engine_coverage"]
@@ -27,42 +28,46 @@ __all__ = ["RolloutTargets", "assemble", "check_engine_coverage"]
 class RolloutTargets:
     """Merged target maps (``maps``, by tensor name) of ``engines`` (each a tuple of global ranks in TP-rank
     order), with every worker's storage views and the tensors refused for in-place writes (``refused[name]
-    [rank] = reason``: those ranks receive the whole tensor into a staging buffer)."""
+    [rank] = reason``: those ranks receive the whole tensor into a staging buffer). ``ignored``: logical
+    tensors every worker of every engine reported absent (vLLM keeps no storage for them: an alias of a
+    tied weight, a bias its loader skips); a sync never sends them, so they are listed, not hidden."""
 
     engines: tuple[tuple[int, ...], ...]
     maps: Mapping[str, TensorMap]
     views: Mapping[int, Mapping[str, StorageView]]
     refused: Mapping[str, Mapping[int, str]]
+    ignored: tuple[str, ...] = ()
 
     def map_list(self) -> list[TensorMap]:
         return [self.maps[name] for name in sorted(self.maps)]
 
 
 def _boxes_tile(name: str, shape: tuple[int, ...], boxes: Sequence[Box], engine: int) -> None:
-    numel = prod(shape)
-    total = sum(b.numel for b in boxes)
-    ordered = sorted(boxes, key=lambda b: b.origin)
-    for i, a in enumerate(ordered):
-        for b in ordered[i + 1 :]:
-            if a.intersect(b) is not None:
-                raise OverlapError(
-                    f"engine {engine} holds two different boxes that overlap",
-                    tensor=name,
-                    box=a,
-                    expected="disjoint boxes (replicas hold the same box)",
-                    found=b,
-                )
-    if total != numel:
-        raise HoleError(
-            f"engine {engine} does not hold every element",
+    tuples = [(b.origin, b.extent) for b in boxes if b.numel]
+    pair = first_overlap(tuples)
+    if pair is not None:
+        a, b = (Box(*tuples[i]) for i in pair)
+        raise OverlapError(
+            f"engine {engine} holds two different boxes that overlap",
             tensor=name,
-            expected=f"{numel} elements of {shape}",
-            found=f"{total} elements in {len(boxes)} boxes",
+            box=a,
+            expected="disjoint boxes (replicas hold the same box)",
+            found=b,
+        )
+    hole = first_uncovered(shape, tuples)
+    if hole is not None:
+        raise HoleError(
+            f"engine {engine} does not hold every element: first uncovered position {list(hole)}",
+            tensor=name,
+            expected=f"{prod(shape)} elements of {shape}",
+            found=f"{sum(b.numel for b in boxes)} elements in {len(boxes)} boxes",
         )
 
 
 def check_engine_coverage(maps: Mapping[str, TensorMap], engines: Sequence[Sequence[int]]) -> None:
-    """Raise unless every engine's ranks hold every element of every map exactly once (replicas aside)."""
+    """Raise unless every engine's ranks hold every element of every map exactly once (replicas aside):
+    ``CoverageError`` for an engine that holds none of a tensor, ``OverlapError`` for two different boxes
+    that share elements, ``HoleError`` naming the engine, the tensor and the first uncovered position."""
     for name, tmap in maps.items():
         for index, ranks in enumerate(engines):
             boxes = {p.box for r in ranks if r in tmap.ranks for p in tmap.ranks[r].pieces}
@@ -100,9 +105,11 @@ def assemble(workers: Sequence[LocalTargets], engines: Sequence[Sequence[int]]) 
     for w in workers:
         for name, reason in w.refused.items():
             refused.setdefault(name, {})[w.rank] = reason
+    absent_everywhere = set.intersection(*(set(w.absent) for w in workers)) if workers else set()
     return RolloutTargets(
         engines=tuple(tuple(e) for e in engines),
         maps=maps,
         views={w.rank: dict(w.views) for w in workers},
         refused=refused,
+        ignored=tuple(sorted(absent_everywhere - set(maps))),
     )

@@ -29,6 +29,7 @@ from ..planning.plan import Plan
 from ..planning.planner import plan_model
 from ..planning.policy import Balanced, ReplicaPolicy
 from ..planning.wire import decode_maps, encode_half
+from ..rollout.targets import check_engine_coverage
 from ..transport.groups import connect_store
 from .roster import RosterEntry, encode_roster
 
@@ -188,6 +189,13 @@ def coordinate(
                         )
                     parts[m.name].append(alone(m, described, rank))
             targets = [merge(ms) for _, ms in sorted(parts.items())]
+            engines: dict[int, list[int]] = defaultdict(list)
+            for p in rollout:
+                engines[p.group].append(coord.global_rank(p))
+            # every engine holds every element of every tensor it takes, exactly once: nothing stays stale
+            check_engine_coverage(
+                {m.name: m for m in targets}, [sorted(r) for _, r in sorted(engines.items())]
+            )
             return plan_model(sources, targets, policy=policy_used)
 
         plan, reused = cache.get_or_build(version, build) if cache is not None else (build(), False)

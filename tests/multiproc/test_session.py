@@ -42,7 +42,7 @@ def side_maps():
     return trainer_maps(model, 3, TRAINERS), vllm_target_maps(model, 1, WORKERS, first_rank=TRAINERS)
 
 
-def join(ctx, address: str, timeout: float, worker_device: str | None = None):
+def join(ctx, address: str, timeout: float, worker_device: str | None = None, drop: str | None = None):
     from rollout_sync.sync.rollout import RolloutLink
     from rollout_sync.sync.trainer import TrainerSync
 
@@ -63,7 +63,7 @@ def join(ctx, address: str, timeout: float, worker_device: str | None = None):
         ctx.state["full"] = full
     else:
         local = ctx.rank - TRAINERS
-        mine = [local_part(m, ctx.rank, local) for m in targets if ctx.rank in m.ranks]
+        mine = [local_part(m, ctx.rank, local) for m in targets if ctx.rank in m.ranks and m.name != drop]
         link = RolloutLink.connect(
             address,
             engine=0,
@@ -162,6 +162,28 @@ def test_a_backend_that_cannot_carry_a_worker_s_device_is_refused_at_the_handsha
     for kind, message, elapsed in results:
         assert kind in ("BackendDeviceError", "HandshakeError"), (kind, message)
         assert "engine 0 worker 1 holds cuda storages" in message and "'nccl'" in message, message
+        assert elapsed < 20, elapsed
+
+
+def join_with_a_hole(ctx, address: str, tensor: str):
+    start = time.monotonic()
+    try:
+        join(ctx, address, 30, drop=tensor if ctx.rank == TRAINERS + 1 else None)
+    except Exception as exc:
+        return type(exc).__name__, str(exc), time.monotonic() - start
+    return ("joined",)
+
+
+def test_an_engine_that_leaves_elements_of_a_tensor_uncovered_is_refused_on_every_rank(pool):
+    """Worker 1 describes no storage for the embedding (a missing TP rank): its rows [512, 1000) would stay
+    stale. The coordinator refuses before any group is built, naming the engine, the tensor and the first
+    uncovered position, and every rank hears why."""
+    results = pool.call(join_with_a_hole, f"tcp://127.0.0.1:{free_port()}", "model.embed_tokens.weight")
+    assert results[0][0] == "HoleError", results[0]
+    for kind, message, elapsed in results:
+        assert kind in ("HoleError", "HandshakeError"), (kind, message)
+        assert "engine 0 does not hold every element: first uncovered position [512, 0]" in message, message
+        assert "'model.embed_tokens.weight'" in message, message
         assert elapsed < 20, elapsed
 
 

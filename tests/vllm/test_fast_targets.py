@@ -5,12 +5,21 @@ wrong position. Dense (untied and tied) at TP 1 and 2, MoE at TP 2 with and with
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import pytest
 
+from rollout_sync.errors import CoverageError, HoleError
+from rollout_sync.layout.box import Box
+from rollout_sync.layout.combine import renumber
+from rollout_sync.layout.maps import Piece, RankStorage
+from rollout_sync.rollout.codec import local_targets_from_dict
+from rollout_sync.rollout.probe import LocalTargets
+from rollout_sync.rollout.targets import assemble
 from tests.harness.vllm_engines import shared_spec
 from tests.vllm.ep_workaround import ep_spec
+from vllm_plugin.calls import call
 from vllm_plugin.driver import setup_engines
 
 pytestmark = pytest.mark.vllm
@@ -61,3 +70,60 @@ def test_a_wrong_shape_table_is_refused_naming_the_tensor_and_position(vllm_pool
         assert error is not None and error.startswith("TargetMismatchError"), error
         assert "model.embed_tokens.weight" in error and "first wrong position" in error, error
     assert errors[0] != errors[1]  # each worker names its own wrong position
+
+
+def _drop(targets: LocalTargets, name: str) -> LocalTargets:
+    maps = {n: m for n, m in targets.maps.items() if n != name}
+    views = {n: v for n, v in targets.views.items() if n != name}
+    return replace(targets, maps=maps, views=views, absent=(*targets.absent, name))
+
+
+def test_real_engines_targets_with_a_hole_are_refused_before_any_plan(vllm_pool, tiny_model):
+    """The real workers' targets, then one worker's part of a tensor removed (a missing TP rank for that
+    tensor), a vocab shard cut to half its rows, a routed expert removed from its only owner in one of two
+    engines: each is refused when the parts are merged, naming the engine, the tensor and the first
+    uncovered position (or that the engine holds none of it)."""
+    dense = vllm_pool.get(shared_spec(tiny_model("dense"), 2)).llm
+    setup_engines([dense], first_rank=2, maps="fast")
+    workers = [local_targets_from_dict(d) for d in call(dense, "local_targets", name="0")]
+    engines = [(2, 3)]
+    assert assemble(workers, engines).ignored == ()  # complete as set up: every tensor held
+    embed = "model.embed_tokens.weight"
+    with pytest.raises(
+        HoleError, match=r"engine 0 does not hold every element: first uncovered position \[512, 0\]"
+    ):
+        assemble([workers[0], _drop(workers[1], embed)], engines)
+    # half of rank 3's vocab shard (rows [512, 1000) of 1000)
+    view = workers[1].views[embed]
+    storage = workers[1].maps[embed].ranks[3]
+    (piece,) = storage.pieces
+    rows = piece.box.extent[0] // 2
+    half = Piece(Box(piece.box.origin, (rows, *piece.box.extent[1:])), 0, piece.strides, (3,))
+    cut = replace(workers[1].maps[embed], ranks={3: RankStorage((rows, *storage.shape[1:]), (half,))})
+    shrunk = replace(
+        workers[1],
+        maps={**workers[1].maps, embed: cut},
+        views={**workers[1].views, embed: replace(view, shape=(rows, *view.shape[1:]))},
+    )
+    with pytest.raises(HoleError, match=rf"first uncovered position \[{512 + rows}, 0\]") as err:
+        assemble([workers[0], shrunk], engines)
+    assert err.value.tensor == embed
+
+    # Two engines with expert parallelism (the real engine's workers, and the same again as engine 1 at
+    # ranks 4, 5); engine 1's owner of one routed expert lost it: engine 1 would keep it stale.
+    moe = vllm_pool.get(ep_spec(tiny_model("moe", 1))).llm
+    setup_engines([moe], first_rank=2, maps="fast")
+    first = [local_targets_from_dict(d) for d in call(moe, "local_targets", name="0")]
+    second = [_renumbered(w, {2: 4, 3: 5}) for w in first]
+    fleet = [(2, 3), (4, 5)]
+    assemble(first + second, fleet)
+    owner, name = next((i, n) for i, w in enumerate(second) for n in w.maps if ".experts." in n)
+    lost = [_drop(w, name) if i == owner else w for i, w in enumerate(second)]
+    with pytest.raises(CoverageError, match="engine 1 holds none of this tensor") as err:
+        assemble(first + lost, fleet)
+    assert err.value.tensor == name
+
+
+def _renumbered(targets: LocalTargets, table: dict[int, int]) -> LocalTargets:
+    maps = {n: renumber(m, table) for n, m in targets.maps.items()}
+    return replace(targets, rank=table[targets.rank], maps=maps)
