@@ -16,7 +16,10 @@
 - ``qwen3_8b``: Qwen3-8B shapes; sources AutoTP-2 × ZeRO-3 DP-4 (ranks 0-7), targets one vLLM-like TP-4
   engine with fused qkv / gate_up storage (ranks 8-11), built by ``rollout_sync.models``. ``maps_s``:
   building every map (validation included); ``plan_s``: ``plan_model`` with the ``lowest`` policy;
-  ``plan_balanced_s`` with ``balanced``.
+  ``plan_balanced_s`` with ``balanced``; ``deepspeed_s``: DeepSpeed's ``plan_transfer`` on the same maps
+  (each tensor converted through ``interop.to_deepspeed`` first, untimed; the planner's time summed over
+  the tensors), in a child process under the same CPU cap, ``null`` with ``deepspeed_note`` saying why when
+  it refuses a tensor or runs past the cap.
 
 Times are the best of ``--repeat`` runs (``time.perf_counter``). With ``--json`` the last line printed is
 one JSON object with both results.
@@ -119,16 +122,30 @@ def _time_ours(
     return best, best_cpu, segments
 
 
-def _deepspeed_child(n: int, cap: float, conn: Any) -> None:
+def _deepspeed_pairs(job: tuple[Any, ...]) -> list[tuple[str, TensorMap, TensorMap]]:
+    """``(name, source, target)`` maps of a DeepSpeed job: ``("single", n)`` or ``("qwen3_8b",)``."""
+    if job[0] == "single":
+        n = int(job[1])
+        source = TensorMap("w", (SIZE, SIZE), "bfloat16", _row_sources(n))
+        target = TensorMap("w", (SIZE, SIZE), "bfloat16", _block_targets(n))
+        return [("w", source, target)]
+    sources, targets = _qwen3_8b_maps()
+    by_name = {m.name: m for m in sources}
+    return [(t.name, by_name[t.name], t) for t in targets]
+
+
+def _deepspeed_child(job: tuple[Any, ...], cap: float, conn: Any) -> None:
+    """DeepSpeed's ``plan_transfer`` on every pair of ``job`` (converted through the interop first, not
+    timed); sends ``("ok", wall, cpu, segments)`` summed over the pairs, or why it could not plan them."""
     try:
         from deepspeed.checkpoint.affine_transfer import AffineTransferError, PlanBudget, plan_transfer
 
         from ..interop.deepspeed_ir import to_deepspeed
 
-        source = TensorMap("w", (SIZE, SIZE), "bfloat16", _row_sources(n))
-        target = TensorMap("w", (SIZE, SIZE), "bfloat16", _block_targets(n))
-        ds_source = to_deepspeed(source, sorted(source.ranks))
-        ds_target = to_deepspeed(target, sorted(target.ranks))
+        converted = [
+            (name, to_deepspeed(source, sorted(source.ranks)), to_deepspeed(target, sorted(target.ranks)))
+            for name, source, target in _deepspeed_pairs(job)
+        ]
         budget = PlanBudget(
             max_pieces_per_map=1 << 30,
             max_pair_checks=1 << 60,
@@ -143,25 +160,45 @@ def _deepspeed_child(n: int, cap: float, conn: Any) -> None:
         resource.setrlimit(
             resource.RLIMIT_CPU, (soft if hard == resource.RLIM_INFINITY else min(soft, hard), hard)
         )
-        t0 = time.perf_counter()
-        c0 = time.process_time()
-        try:
-            plan = plan_transfer(ds_target, ds_source, budget)
-        except AffineTransferError as exc:
-            conn.send(("refused", str(exc)))
+        wall = cpu = 0.0
+        segments = 0
+        refused: list[str] = []
+        for name, ds_source, ds_target in converted:
+            t0 = time.perf_counter()
+            c0 = time.process_time()
+            try:
+                plan = plan_transfer(ds_target, ds_source, budget)
+            except AffineTransferError as exc:
+                if not refused:
+                    refused.append(f"{name}: {exc}")
+                else:
+                    refused.append(name)
+                continue
+            finally:
+                wall += time.perf_counter() - t0
+                cpu += time.process_time() - c0
+            segments += len(plan.segments)
+        if refused:
+            conn.send(
+                (
+                    "refused",
+                    f"{len(refused)} of {len(converted)} tensors, first {refused[0]} (the other "
+                    f"{len(converted) - len(refused)} planned in {wall:.3f} s)",
+                )
+            )
             return
-        conn.send(("ok", time.perf_counter() - t0, time.process_time() - c0, len(plan.segments)))
+        conn.send(("ok", wall, cpu, segments))
     except Exception as exc:  # report, do not hang the parent
         conn.send(("error", repr(exc)))
 
 
-def _time_deepspeed(n: int, cap: float) -> tuple[float | None, float | None, str]:
+def _time_deepspeed(job: tuple[Any, ...], cap: float) -> tuple[float | None, float | None, str]:
     """(wall seconds, CPU seconds) of DeepSpeed's plan_transfer in a child process, or None when refused or
     past the cap of ``cap`` CPU seconds (or ten times that in wall time)."""
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     ctx = mp.get_context("fork")
     parent, child = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=_deepspeed_child, args=(n, cap, child), daemon=True)
+    proc = ctx.Process(target=_deepspeed_child, args=(job, cap, child), daemon=True)
     t0 = time.perf_counter()
     proc.start()
     child.close()
@@ -181,21 +218,24 @@ def _time_deepspeed(n: int, cap: float) -> tuple[float | None, float | None, str
     return None, None, f"{got[0]}: {got[1]}"
 
 
+def _deepspeed_available() -> bool:
+    try:  # import once in the parent so that forked children share it
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        importlib.import_module("deepspeed.checkpoint.affine_transfer")
+    except Exception as exc:
+        print(f"[bench plan] DeepSpeed unavailable ({exc!r}): deepspeed_s is null", file=sys.stderr)
+        return False
+    return True
+
+
 def bench_single(pieces: list[int], repeat: int, cap: float, with_deepspeed: bool) -> list[dict[str, Any]]:
     out = []
-    if with_deepspeed:
-        try:  # import once in the parent so that forked children share it
-            os.environ.setdefault("DS_ACCELERATOR", "cpu")
-            importlib.import_module("deepspeed.checkpoint.affine_transfer")
-        except Exception as exc:
-            print(f"[bench plan] DeepSpeed unavailable ({exc!r}): deepspeed_s is null", file=sys.stderr)
-            with_deepspeed = False
     for n in pieces:
         if n % COLUMN_BLOCKS or SIZE % n:
             raise SystemExit(f"--pieces: {n} must divide {SIZE} and be a multiple of {COLUMN_BLOCKS}")
         ours, ours_cpu, segments = _time_ours(n, _block_targets, repeat)
         flat, _, flat_segments = _time_ours(n, _flat_targets, repeat)
-        ds, ds_cpu, note = _time_deepspeed(n, cap) if with_deepspeed else (None, None, "not run")
+        ds, ds_cpu, note = _time_deepspeed(("single", n), cap) if with_deepspeed else (None, None, "not run")
         row = {
             "pieces": n,
             "ours_s": round(ours, 6),
@@ -218,17 +258,17 @@ def bench_single(pieces: list[int], repeat: int, cap: float, with_deepspeed: boo
     return out
 
 
-def bench_qwen3_8b(repeat: int) -> dict[str, Any]:
+def _qwen3_8b_maps() -> tuple[list[TensorMap], list[TensorMap]]:
     from ..models import preset, trainer_maps, vllm_target_maps
 
     model = preset("qwen3-8b")
+    sources = trainer_maps(model, zero_stage=3, dp=4, tp=2)
+    targets = vllm_target_maps(model, engines=1, tp=4, first_rank=8)
+    return sources, targets
 
-    def build() -> tuple[list[TensorMap], list[TensorMap]]:
-        sources = trainer_maps(model, zero_stage=3, dp=4, tp=2)
-        targets = vllm_target_maps(model, engines=1, tp=4, first_rank=8)
-        return sources, targets
 
-    maps_s, (sources, targets) = _best(repeat, build)
+def bench_qwen3_8b(repeat: int, cap: float, with_deepspeed: bool) -> dict[str, Any]:
+    maps_s, (sources, targets) = _best(repeat, _qwen3_8b_maps)
     plan_s, plan = _best(repeat, lambda: plan_model(sources, targets))
     balanced_s, balanced = _best(repeat, lambda: plan_model(sources, targets, "balanced"))
     result: dict[str, Any] = {
@@ -241,10 +281,17 @@ def bench_qwen3_8b(repeat: int) -> dict[str, Any]:
         "plan_balanced_s": round(balanced_s, 6),
         "segments_balanced": len(balanced),
     }
+    ds, ds_cpu, note = _time_deepspeed(("qwen3_8b",), cap) if with_deepspeed else (None, None, "not run")
+    result["deepspeed_s"] = None if ds is None else round(ds, 6)
+    result["deepspeed_cpu_s"] = None if ds_cpu is None else round(ds_cpu, 6)
+    result["deepspeed_note"] = note
+    if ds is not None:
+        result["speedup"] = round(ds / plan_s, 1)
     print(
         f"[bench plan] qwen3-8b: {result['source_pieces']} source / {result['target_pieces']} target pieces, "
         f"{result['segments']} segments; maps {maps_s * 1e3:.1f} ms + plan {plan_s * 1e3:.1f} ms "
-        f"(balanced {balanced_s * 1e3:.1f} ms)",
+        f"(balanced {balanced_s * 1e3:.1f} ms); DeepSpeed's plan_transfer on the same maps "
+        f"{'null' if ds is None else f'{ds * 1e3:.1f} ms'} ({note})",
         file=sys.stderr,
     )
     return result
@@ -261,15 +308,20 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--no-deepspeed", action="store_true", help="do not run DeepSpeed's planner")
     args = parser.parse_args(argv)
     pieces = [int(x) for x in args.pieces.split(",") if x]
+    with_deepspeed = not args.no_deepspeed and _deepspeed_available()
     result: dict[str, Any] = {
-        "single": bench_single(pieces, max(1, args.repeat), args.cap, not args.no_deepspeed),
-        "qwen3_8b": bench_qwen3_8b(max(1, args.repeat)),
+        "single": bench_single(pieces, max(1, args.repeat), args.cap, with_deepspeed),
+        "qwen3_8b": bench_qwen3_8b(max(1, args.repeat), args.cap, with_deepspeed),
     }
     for row in result["single"]:
         ds = "null" if row["deepspeed_s"] is None else f"{row['deepspeed_s']:.4f}"
         print(f"single {row['pieces']:>5} pieces/side: ours {row['ours_s']:.4f} s, deepspeed {ds} s")
     q = result["qwen3_8b"]
-    print(f"qwen3-8b: maps {q['maps_s']:.4f} s + plan {q['plan_s']:.4f} s, {q['segments']} segments")
+    ds8 = "null" if q["deepspeed_s"] is None else f"{q['deepspeed_s']:.4f}"
+    print(
+        f"qwen3-8b: maps {q['maps_s']:.4f} s + plan {q['plan_s']:.4f} s, {q['segments']} segments; "
+        f"DeepSpeed's plan_transfer {ds8} s ({q['deepspeed_note']})"
+    )
     if args.json:
         print(json.dumps(result, sort_keys=True))
     return 0

@@ -44,8 +44,10 @@ greedy positions of a fixed prompt are compared, by digest, with the synced engi
 Last line with ``--json``: ``{"rows": [{"trainer", "ours_s", "baseline_s", "ours_trainer_extra_bytes",
 "baseline_trainer_extra_bytes", "ours_rollout_extra_bytes", "baseline_rollout_extra_bytes",
 "ours_bytes_moved", "baseline_bytes_moved", "bitwise_equal", "packed_layers", "logits_equal",
-"staging_cap_bytes", "largest_layer_loaded_bytes", "ours_same_host_s", "ours_same_host_trainer_extra_bytes",
-"ours_same_host_rollout_extra_bytes", "same_host_bitwise_equal", ...}]}``.
+"staging_cap_bytes", "ours_staging_bytes", "largest_layer_loaded_bytes", "ours_same_host_s",
+"ours_same_host_trainer_extra_bytes", "ours_same_host_rollout_extra_bytes", "ours_same_host_staging_bytes",
+"same_host_bitwise_equal", ...}]}``. Ours' extra-memory figures include the staging each rank holds across
+syncs (``ours_staging_bytes``: the largest, on either side), not only what a measured sync newly touched.
 
 Measured (2026-11-30, 2 cores, load 3-6, 1 warm-up and 3 measured syncs per method): zero3 ours 0.533 s
 against 4.304 s (8.07x), trainer extra 12 KB against 622 MB, worker extra 8 KB against 311 MB, 1.19 GB moved
@@ -94,7 +96,13 @@ def method_summary(
     workers: Sequence[Sequence[Mapping[str, Any]]],
 ) -> dict[str, Any]:
     """One method's figures over its measured syncs: median seconds, largest extra bytes per side, bytes
-    the trainer ranks sent per sync (the same at every sync; the largest is reported)."""
+    the trainer ranks sent per sync (the same at every sync; the largest is reported).
+
+    A rank's extra bytes are its RSS high-water mark during the sync above the RSS before it, **plus the
+    staging it holds across syncs** (``peak_staging_bytes``: the arena allocated at the first sync and
+    reused, and shared-memory slots): those were allocated in the warm-up sync, so the measured syncs'
+    high-water mark does not see them, but they are memory the method keeps. ``*_staging_bytes``: the
+    largest staging per side alone."""
     if not seconds or len(seconds) != len(trainer) or len(seconds) != len(workers):
         raise ValueError(
             f"expected one trainer and one worker report per measured sync, found {len(seconds)} times, "
@@ -103,11 +111,20 @@ def method_summary(
     return {
         "seconds": statistics.median(seconds),
         "all_seconds": [round(s, 4) for s in seconds],
-        "trainer_extra_bytes": max(int(r["extra_bytes"]) for sync in trainer for r in sync),
-        "rollout_extra_bytes": max(int(r["extra_bytes"]) for sync in workers for r in sync),
+        "trainer_extra_bytes": max(int(r["extra_bytes"]) + _staging(r) for sync in trainer for r in sync),
+        "rollout_extra_bytes": max(int(r["extra_bytes"]) + _staging(r) for sync in workers for r in sync),
+        "trainer_staging_bytes": max(_staging(r) for sync in trainer for r in sync),
+        "rollout_staging_bytes": max(_staging(r) for sync in workers for r in sync),
         "bytes_moved": max(sum(int(r["bytes_sent"]) for r in sync) for sync in trainer),
         "rollout_phase_s": _phases(workers[-1]),
     }
+
+
+def _staging(report: Mapping[str, Any]) -> int:
+    """The staging a rank holds across syncs, from its sync report (0 for the baseline, which has none)."""
+    if "peak_staging_bytes" in report:
+        return int(report["peak_staging_bytes"])
+    return int((report.get("stats") or {}).get("peak_staging_bytes", 0))
 
 
 def _phases(reports: Sequence[Mapping[str, Any]]) -> dict[str, float]:
@@ -144,6 +161,9 @@ def assemble_row(
     row["bitwise_equal"] = bool(ours_equal)
     row["baseline_bitwise_equal"] = bool(baseline_equal)
     row["speedup"] = round(row["baseline_s"] / row["ours_s"], 2) if row["ours_s"] > 0 else None
+    row["ours_staging_bytes"] = max(
+        int(ours.get("trainer_staging_bytes", 0)), int(ours.get("rollout_staging_bytes", 0))
+    )
     row["staging_cap_bytes"] = int(staging_cap_bytes)
     return row
 
@@ -521,6 +541,9 @@ def run_row(
     row["ours_same_host_all_s"] = list(same_host["all_seconds"])
     row["ours_same_host_trainer_extra_bytes"] = int(same_host["trainer_extra_bytes"])
     row["ours_same_host_rollout_extra_bytes"] = int(same_host["rollout_extra_bytes"])
+    row["ours_same_host_staging_bytes"] = max(
+        int(same_host["trainer_staging_bytes"]), int(same_host["rollout_staging_bytes"])
+    )
     row["same_host_bitwise_equal"] = bool(same_host_equal and same_host_changed)
     row["handshake_s"] = round(handshake_s, 3)
     row["packed_layers"] = packed

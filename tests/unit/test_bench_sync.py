@@ -62,6 +62,16 @@ def test_a_method_reports_the_median_time_and_the_largest_extra_memory_per_side(
     assert summary["bytes_moved"] == 150
 
 
+def test_the_staging_a_rank_holds_across_syncs_counts_as_extra_memory():
+    trainer = [[{"extra_bytes": 10, "bytes_sent": 1, "peak_staging_bytes": 1000}]]
+    workers = [[{"extra_bytes": 7, "stats": {"peak_staging_bytes": 500}}]]
+    summary = method_summary([1.0], trainer, workers)
+    assert summary["trainer_extra_bytes"] == 1010 and summary["rollout_extra_bytes"] == 507
+    assert summary["trainer_staging_bytes"] == 1000 and summary["rollout_staging_bytes"] == 500
+    row = assemble_row("zero3", summary, summary, ours_equal=True, baseline_equal=True, staging_cap_bytes=64)
+    assert row["ours_staging_bytes"] == 1000
+
+
 def test_a_method_without_one_report_per_sync_is_refused():
     with pytest.raises(ValueError, match="one trainer and one worker report"):
         method_summary([1.0, 2.0], [_reports([1], [1])], [_reports([1], [1])])
