@@ -207,6 +207,11 @@ class Executor:
         return agreement.decide(records)
 
     # -- 3. schedule ------------------------------------------------------------------------------------
+    @property
+    def schedule(self) -> Schedule | None:
+        """The schedule of the last half this executor ran (None before the first)."""
+        return None if self._cached is None else self._cached[1].schedule
+
     def _program(self, half: PlanHalf, offers: list[int]) -> Program:
         send_peers, recv_peers = peers_of(half, self.in_process)
         sizes = {p: min(offers[self.rank], offers[p]) // ALIGN * ALIGN for p in {*send_peers, *recv_peers}}
