@@ -12,12 +12,14 @@ import multiprocessing as mp
 import sys
 import traceback
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 from .errors import RolloutSyncError
 from .scale.dry_run import DEFAULT_STAGING_CAP_BYTES, POLICIES, DryRunConfig
 from .scale.report import format_report, json_line
 from .scale.spec import check_fit, load_model, parse_rollout, parse_trainer
+from .scale.sync_model import GPU_LINKS
 from .scale.traffic import DEFAULT_INTER_GBPS, DEFAULT_INTRA_GBPS, Bandwidth
 
 __all__ = ["main"]
@@ -51,7 +53,12 @@ Time model: every GPU has, per direction, one intra-node link (--intra-gbps, def
 Trainer and rollout GPUs sit on separate nodes (--trainer/--rollout gpus_per_node, default 8), unless
 --shared-nodes puts rollout GPU j on the node of trainer GPU j. Bytes are the source dtype's (the wire's).
 Lower bound: the most bytes any rollout GPU must receive, divided by its ingress bandwidth (the NIC; plus
-NVLink when trainer GPUs share its node). Latency, congestion and per-message costs are not modeled.
+NVLink when trainer GPUs share its node). The modeled sync adds to that wire time what the busiest sender
+and receiver spend besides the wire, from the executor's own schedule of them (scale/sync_model.py): the
+agreement (--agree-ms), each message (--message-us per message and end) and their pack/unpack and local
+copies (--copy-gbps). The GPU defaults are assumptions (the GPU path has not run); on CPU the same model is
+checked against real syncs with measured figures by `python -m rollout_sync.bench model`. Congestion in the
+fabric is not modeled.
 
 Layouts:
   --trainer "zero=3,tp=1,ep=64,world=256[,gpus_per_node=8]"   data-parallel size = world / tp
@@ -107,6 +114,16 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--intra-gbps", type=_positive, default=DEFAULT_INTRA_GBPS, help="NVLink GB/s per GPU")
     plan.add_argument("--inter-gbps", type=_positive, default=DEFAULT_INTER_GBPS, help="NIC GB/s per GPU")
     plan.add_argument("--shared-nodes", action="store_true", help="rollout GPU j on trainer GPU j's node")
+    plan.add_argument(
+        "--message-us",
+        type=_positive,
+        default=GPU_LINKS.message_s * 1e6,
+        help="seconds per message and end, in us",
+    )
+    plan.add_argument(
+        "--copy-gbps", type=_positive, default=GPU_LINKS.copy_gbps, help="pack/unpack copy GB/s per GPU"
+    )
+    plan.add_argument("--agree-ms", type=_positive, default=GPU_LINKS.agree_s * 1e3, help="agreement, ms")
     plan.add_argument("--dtype", default="bfloat16", help="storage dtype of both sides (default bfloat16)")
     plan.add_argument("--only", action="store_true", help="run --policy only, not both policies")
     plan.add_argument("--no-rounds", action="store_true", help="skip the executor schedule of busy ranks")
@@ -182,6 +199,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                 args.shared_nodes,
                 args.dtype,
                 rounds=not args.no_rounds,
+                links=replace(
+                    GPU_LINKS,
+                    message_s=args.message_us * 1e-6,
+                    copy_gbps=args.copy_gbps,
+                    agree_s=args.agree_ms * 1e-3,
+                ),
             )
             results.append(_run(config, args.in_process))
         print(format_report(results))

@@ -27,6 +27,7 @@ from typing import Any
 from ..errors import TargetMismatchError
 from ..layout.box import Box, row_major_strides
 from ..layout.maps import RankStorage, TensorMap
+from ..layout.sweep import first_uncovered
 from .probe import LocalTargets, StorageView
 
 __all__ = ["LoaderTrace", "TracedCopy", "check_targets", "target_differences"]
@@ -173,34 +174,47 @@ def _check_tensor(
     written = sum(item.box.numel for item in landed)
     held = sum(p.box.numel for p in storage.pieces)
     if covered != written:
-        stray = next(x for x in landed if sum(_overlap(x.box, p.box) for p in storage.pieces) < x.box.numel)
+        stray, outside = next(
+            (x, hole)
+            for x in landed
+            if (hole := _first_outside(x.box, [p.box for p in storage.pieces])) is not None
+        )
         raise TargetMismatchError(
-            f"vLLM's loader writes elements the maps do not place on this worker; first wrong position at "
-            f"or after {list(stray.box.origin)}",
+            f"vLLM's loader writes elements the maps do not place on this worker; first wrong position "
+            f"{list(outside)}",
             tensor=name,
             rank=rank,
             expected=f"{held} elements in boxes {[str(p.box) for p in storage.pieces]}",
             found=f"box {stray.box} written into parameter {stray.copy.param!r}",
         )
     if covered != held:
-        hole = min(
-            (p for p in storage.pieces if sum(_overlap(x.box, p.box) for x in landed) < p.box.numel),
-            key=lambda p: p.box.origin,
-        )
+        holes = [
+            (hole, p)
+            for p in storage.pieces
+            if (hole := _first_outside(p.box, [x.box for x in landed])) is not None
+        ]
+        unwritten, piece = min(holes, key=lambda h: h[0])
         raise TargetMismatchError(
             f"the maps place elements on this worker that vLLM's loader does not write here; first wrong "
-            f"position at or after {list(hole.box.origin)}",
+            f"position {list(unwritten)}",
             tensor=name,
             rank=rank,
-            expected=f"box {hole.box} written into parameter {view.param!r}",
+            expected=f"box {piece.box} written into parameter {view.param!r}",
             found=f"{written} of {held} elements written",
         )
     return True
 
 
-def _overlap(a: Box, b: Box) -> int:
-    both = a.intersect(b)
-    return 0 if both is None else both.numel
+def _first_outside(box: Box, others: Sequence[Box]) -> tuple[int, ...] | None:
+    """The first position of ``box`` (row-major, logical coordinates) that none of ``others`` (pairwise
+    disjoint) contains, or None."""
+    inside = []
+    for other in others:
+        both = box.intersect(other)
+        if both is not None:
+            inside.append((tuple(o - b for o, b in zip(both.origin, box.origin, strict=True)), both.extent))
+    hole = first_uncovered(box.extent, inside)
+    return None if hole is None else tuple(h + o for h, o in zip(hole, box.origin, strict=True))
 
 
 def check_targets(

@@ -10,7 +10,7 @@ shared machine do not inflate them; wall seconds alongside):
 2. ``planner_s``: the whole plan (``planning.by_layout.plan_model_by_layout``, equal to ``plan_model``).
    ``plan_s = maps_s + planner_s``. Map objects are then frozen out of the garbage collector's scans
    (``gc.freeze``): they live as long as the plan.
-3. traffic, time model and lower bound (``scale.traffic``).
+3. traffic, the wire time of the per-link model and the lower bound (``scale.traffic``).
 4. ``rank_half_s``: for a sample of trainer and rollout ranks (first, middle, last and the busiest of each
    side), the best of two runs of ``planning.rank_half.plan_rank_half`` (columnar records); the slowest
    rank is reported. Each sampled half is checked against the whole plan's traffic of that rank.
@@ -19,7 +19,9 @@ shared machine do not inflate them; wall seconds alongside):
 5. ``peak_rss_bytes``: the process's peak resident memory after step 4 (``resource.getrusage``).
 6. rounds (``scale.rounds``): the executor's schedule of the busiest sender and receiver at the staging cap
    (after the memory figure: this step imports the transport package, hence torch, and builds every
-   message of those two ranks).
+   message of those two ranks). ``modeled_s`` = ``wire_s`` (step 3) + ``overhead_s``: the larger of those
+   two ranks' agreement, copies and messages under ``DryRunConfig.links`` (``scale.sync_model``; GPU
+   figures assumed, see ``GPU_LINKS``).
 
 Replica policies: ``lowest`` (the lowest holder) and ``balanced`` (``planning.policy.Spread``: balanced and
 local, so one rank plans its own half alone). DeepSpeed's stateful greedy ``Balanced`` needs the whole plan
@@ -45,6 +47,7 @@ from ..planning.by_layout import plan_model_by_layout
 from ..planning.policy import ReplicaPolicy, Spread
 from ..planning.rank_half import plan_rank_half
 from .spec import RolloutLayout, TrainerLayout, check_fit, load_model
+from .sync_model import GPU_LINKS, LinkFigures, overhead_seconds
 from .traffic import Bandwidth, Topology, lower_bound, modeled_seconds, needed_bytes, plan_traffic
 
 __all__ = ["DEFAULT_STAGING_CAP_BYTES", "POLICIES", "DryRunConfig", "build_maps", "dry_run", "replica_policy"]
@@ -78,6 +81,7 @@ class DryRunConfig:
     shared_nodes: bool = False
     dtype: str = "bfloat16"
     rounds: bool = True
+    links: LinkFigures = GPU_LINKS
 
 
 def build_maps(
@@ -141,7 +145,7 @@ def _plan_and_measure(
     plan_cpu, plan_wall, plan = _timed(lambda: plan_model_by_layout(sources, targets, policy))
 
     traffic = plan_traffic(plan, topology)
-    modeled, slowest = modeled_seconds(traffic, config.bandwidth)
+    wire, slowest = modeled_seconds(traffic, config.bandwidth)
     bound = lower_bound(needed_bytes(sources, targets), traffic, topology, config.bandwidth)
     trainer_ranks = list(range(trainer.world))
     rollout_ranks = list(range(trainer.world, trainer.world + rollout.world))
@@ -198,9 +202,16 @@ def _plan_and_measure(
                 "staging_bytes": rr.staging_bytes,
                 "refused": rr.refused,
                 "schedule_s": round(cpu, 3),
+                "overhead_s": overhead_seconds(rr.work, config.links) if rr.work is not None else None,
             }
     objects.clear()
     kept.clear()
+    # the time model (``sync_model``): the wire from the per-link traffic model, plus what the busiest
+    # sender and receiver spend besides it (agreement, copies, messages); without their schedules, the
+    # agreement only
+    overheads = [sum(r["overhead_s"].values()) for r in rounds.values() if r.get("overhead_s")]
+    overhead = max(overheads, default=config.links.agree_s)
+    modeled = wire + overhead
 
     half_bytes = [traffic.half_bytes.get(r, 0) for r in trainer_ranks + rollout_ranks]
     slowest_half = max(half_times, key=lambda r: (half_times[r], -r))
@@ -238,6 +249,8 @@ def _plan_and_measure(
         "max_half_bytes": max(half_bytes),
         "mean_half_bytes": sum(half_bytes) / len(half_bytes),
         "modeled_s": modeled,
+        "wire_s": wire,
+        "overhead_s": overhead,
         "slowest_rank": slowest,
         "lower_bound_s": bound.seconds,
         "lower_bound_rank": bound.rank,

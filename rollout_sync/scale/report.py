@@ -38,6 +38,8 @@ _EXTRA = (
     "max_half_bytes",
     "mean_half_bytes",
     "ratio",
+    "wire_s",
+    "overhead_s",
     "slowest_rank",
     "lower_bound_rank",
     "tensors",
@@ -130,7 +132,13 @@ def format_report(results: Sequence[Mapping[str, Any]]) -> str:
             "received per rollout GPU max / mean",
             [f"{_gb(r['max_recv_bytes'])} / {_gb(r['mean_recv_bytes'])}" for r in results],
         ),
-        ("modeled sync", [f"{r['modeled_s']:.3f} s (rank {r['slowest_rank']})" for r in results]),
+        (
+            "modeled sync (wire + rest)",
+            [
+                f"{r['modeled_s']:.3f} s ({r['wire_s']:.3f} + {r['overhead_s']:.3f}; rank {r['slowest_rank']})"
+                for r in results
+            ],
+        ),
         ("lower bound", [f"{r['lower_bound_s']:.3f} s (rank {r['lower_bound_rank']})" for r in results]),
         (
             "modeled / bound",

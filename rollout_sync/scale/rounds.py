@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from ..planning.plan import PlanHalf
 from ..transport.schedule import ALIGN, MIN_MESSAGE_BYTES, build_schedule, peers_of
+from .sync_model import RankWork, rank_work
 from .traffic import Traffic
 
 __all__ = ["RankRounds", "message_offers", "rank_rounds"]
@@ -36,6 +37,7 @@ class RankRounds:
     staging_bytes: int
     message_bytes: int  # the smallest agreed message size with any peer
     refused: str | None  # why the executor would refuse this rank, or None
+    work: RankWork | None = None  # what the schedule makes the rank do (``sync_model``)
 
 
 def rank_rounds(half: PlanHalf, offers: dict[int, int], depth: int = 2) -> RankRounds:
@@ -56,4 +58,12 @@ def rank_rounds(half: PlanHalf, offers: dict[int, int], depth: int = 2) -> RankR
         return RankRounds(half.rank, 0, 0, 0, smallest, reason)
     schedule = build_schedule(half, sizes, zero_copy=True, depth=depth)
     messages = len(schedule.sends) + len(schedule.receives)
-    return RankRounds(half.rank, schedule.rounds, messages, schedule.staging_bytes, smallest, None)
+    return RankRounds(
+        half.rank,
+        schedule.rounds,
+        messages,
+        schedule.staging_bytes,
+        smallest,
+        None,
+        rank_work(half, schedule),
+    )

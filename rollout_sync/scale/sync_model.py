@@ -29,12 +29,24 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import pairwise
+from typing import TYPE_CHECKING
 
 from ..layout.dtypes import ITEMSIZE
 from ..planning.plan import PlanHalf
-from ..transport.schedule import Schedule
 
-__all__ = ["LinkFigures", "ModeledSync", "RankWork", "modeled_sync", "rank_work", "wire_seconds"]
+if TYPE_CHECKING:  # the transport package imports torch; the model itself is pure
+    from ..transport.schedule import Schedule
+
+__all__ = [
+    "GPU_LINKS",
+    "LinkFigures",
+    "ModeledSync",
+    "RankWork",
+    "modeled_sync",
+    "overhead_seconds",
+    "rank_work",
+    "wire_seconds",
+]
 
 
 @dataclass(frozen=True)
@@ -59,6 +71,12 @@ class LinkFigures:
             if k <= k1:
                 return (g0 + (g1 - g0) * (k - k0) / (k1 - k0)) * 1e9
         return points[-1][1] * 1e9
+
+
+GPU_LINKS = LinkFigures(message_s=20e-6, stream_gbps={1: 50.0}, copy_gbps=1000.0, agree_s=1e-3)
+"""Assumed, not measured (the GPU path has not run): 20 µs per NCCL point-to-point message and end, 1 TB/s
+for a device-to-device pack or unpack copy, 1 ms for the agreement's small allgather. ``rollout-sync
+plan`` takes the wire time from its per-link traffic model and these for the rest."""
 
 
 @dataclass(frozen=True)
@@ -137,20 +155,23 @@ class ModeledSync:
     parts: Mapping[int, Mapping[str, float]] = field(default_factory=dict)
 
 
+def overhead_seconds(work: RankWork, links: LinkFigures) -> dict[str, float]:
+    """What a rank spends besides the wire: the agreement, its copies and its messages."""
+    return {
+        "agree": links.agree_s,
+        "copy": work.copy_bytes / (links.copy_gbps * 1e9),
+        "messages": work.messages * links.message_s,
+    }
+
+
 def modeled_sync(works: Sequence[RankWork], links: LinkFigures) -> ModeledSync:
     """The model's time of one sync whose ranks do ``works``."""
     pairs = {(w.rank, peer): n for w in works for peer, n in w.sent.items()}
     finished = wire_seconds(pairs, links)
-    copy_rate = links.copy_gbps * 1e9
     parts: dict[int, dict[str, float]] = {}
     for w in works:
         mine = [t for (src, dst), t in finished.items() if w.rank in (src, dst)]
-        parts[w.rank] = {
-            "agree": links.agree_s,
-            "copy": w.copy_bytes / copy_rate,
-            "messages": w.messages * links.message_s,
-            "wire": max(mine, default=0.0),
-        }
+        parts[w.rank] = {**overhead_seconds(w, links), "wire": max(mine, default=0.0)}
     totals = {r: sum(p.values()) for r, p in parts.items()}
     slowest = max(totals, key=lambda r: (totals[r], -r)) if totals else -1
     return ModeledSync(totals.get(slowest, 0.0), slowest, parts)
