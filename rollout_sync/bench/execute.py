@@ -120,7 +120,35 @@ def _pieces_copy(storage: Any, storage_map: Any, full: Any, into_storage: bool) 
             full[box].copy_(view)
 
 
-class _Rank:
+class TimedRank:
+    """One of ``WORLD`` benchmark processes over the gloo group ``self.group``: a barrier, the slowest
+    rank's seconds, and a timed call (from a common barrier to the slowest rank's return)."""
+
+    group: Any
+
+    def barrier(self) -> None:
+        import torch
+
+        out = [torch.zeros(1) for _ in range(WORLD)]
+        self.group.allgather([out], [torch.zeros(1)]).wait(timedelta(seconds=600))
+
+    def slowest(self, seconds: float) -> float:
+        import torch
+
+        out = [torch.zeros(1, dtype=torch.float64) for _ in range(WORLD)]
+        self.group.allgather([out], [torch.tensor([seconds], dtype=torch.float64)]).wait(
+            timedelta(seconds=600)
+        )
+        return max(float(t) for t in out)
+
+    def timed(self, fn: Any) -> float:
+        self.barrier()
+        start = time.perf_counter()
+        fn()
+        return self.slowest(time.perf_counter() - start)
+
+
+class _Rank(TimedRank):
     def __init__(self, rank: int, port: int, args: argparse.Namespace) -> None:
         import torch
 
@@ -156,27 +184,6 @@ class _Rank:
                 _pieces_copy(self.sources[m.name], m.ranks[rank], _logical(i, m.shape), True)
 
     # -- helpers ---------------------------------------------------------------------------------------
-    def barrier(self) -> None:
-        import torch
-
-        out = [torch.zeros(1) for _ in range(WORLD)]
-        self.group.allgather([out], [torch.zeros(1)]).wait(timedelta(seconds=600))
-
-    def slowest(self, seconds: float) -> float:
-        import torch
-
-        out = [torch.zeros(1, dtype=torch.float64) for _ in range(WORLD)]
-        self.group.allgather([out], [torch.tensor([seconds], dtype=torch.float64)]).wait(
-            timedelta(seconds=600)
-        )
-        return max(float(t) for t in out)
-
-    def timed(self, fn: Any) -> float:
-        self.barrier()
-        start = time.perf_counter()
-        fn()
-        return self.slowest(time.perf_counter() - start)
-
     def verify(self) -> bool:
         import torch
 
@@ -290,16 +297,20 @@ class _Rank:
         }
 
 
-def _child(rank: int, port: int, args: argparse.Namespace, conn: Connection) -> None:
+def _child(rank_class: Any, rank: int, port: int, args: argparse.Namespace, conn: Connection) -> None:
     try:
-        result = _Rank(rank, port, args).run()
+        result = rank_class(rank, port, args).run()
         conn.send(("ok", result))
     except BaseException:
         conn.send(("error", traceback.format_exc()))
     conn.close()
 
 
-def _spawn(args: argparse.Namespace) -> list[dict[str, Any]]:
+def spawn_ranks(args: argparse.Namespace, rank_class: Any = None) -> list[dict[str, Any]]:
+    """Run ``rank_class(rank, port, args).run()`` in ``WORLD`` spawned processes that share one TCP store
+    (default: this benchmark's ranks); their results in rank order, or the first failure with its
+    traceback. ``args.timeout`` bounds the whole run."""
+    rank_class = _Rank if rank_class is None else rank_class
     from torch.distributed import TCPStore
 
     store = TCPStore("127.0.0.1", 0, WORLD, True, wait_for_workers=False)
@@ -308,7 +319,7 @@ def _spawn(args: argparse.Namespace) -> list[dict[str, Any]]:
     try:
         for rank in range(WORLD):
             reader, writer = ctx.Pipe(duplex=False)
-            p = ctx.Process(target=_child, args=(rank, store.port, args, writer), daemon=True)
+            p = ctx.Process(target=_child, args=(rank_class, rank, store.port, args, writer), daemon=True)
             p.start()
             writer.close()
             procs.append(p)
@@ -356,7 +367,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds before the run is abandoned")
     args = parser.parse_args(argv)
     args.group_id = secrets.token_hex(6)  # names the same-host run's shared segments
-    results = _spawn(args)
+    results = spawn_ranks(args)
     r0 = results[0]
     med = {name: statistics.median(r0["times"][name]) for name in METHODS}
     wire = sum(sum(r["stats"]["bytes_sent"].values()) for r in results)

@@ -23,22 +23,23 @@ Per row: ``measured_s``, the median over ``--syncs`` syncs of the slowest rank's
 executor's own schedules of that sync, with ``ratio = modeled_s / measured_s``. The last line with
 ``--json``: ``{"links": {...}, "rows": [{"layout", "measured_s", "modeled_s", "ratio", "bytes", "rounds",
 "messages", "parts"}, ...]}``.
+
+Measured (2026-12-02, 2-core AMD EPYC, AVX2, default sizes: 308-616 MiB per sync): ratios 0.88-1.16 on the
+four rows over two runs (docs/measurements/bench-model-2026-12-02.txt). At small sizes the model
+underestimates: with ``--layers 1 --vocab 4096`` (46 MiB) it gave 0.64-0.76, the fixed costs of a sync that
+it does not count (checks, posting, per-segment work in Python) weighing more there.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import statistics
 import sys
-import time
-import traceback
 from datetime import timedelta
-from multiprocessing.connection import Connection, wait
 from typing import Any
 
-from .execute import _carve, _logical, _pieces_copy, qwen3_like
+from .execute import TimedRank, _carve, _logical, _pieces_copy, qwen3_like, spawn_ranks
 
 __all__ = ["main"]
 
@@ -55,7 +56,7 @@ STREAM_BYTES = 64 << 20
 TIMEOUT = timedelta(seconds=600)
 
 
-class _Rank:
+class _Rank(TimedRank):
     def __init__(self, rank: int, port: int, args: argparse.Namespace) -> None:
         import torch
 
@@ -66,25 +67,6 @@ class _Rank:
         self.args = args
         store = connect_store("127.0.0.1", port, WORLD, is_master=False, timeout=600)
         self.group = new_group(store, rank, WORLD, timeout=600, prefix="model")
-
-    def barrier(self) -> None:
-        import torch
-
-        out = [torch.zeros(1) for _ in range(WORLD)]
-        self.group.allgather([out], [torch.zeros(1)]).wait(TIMEOUT)
-
-    def slowest(self, seconds: float) -> float:
-        import torch
-
-        out = [torch.zeros(1, dtype=torch.float64) for _ in range(WORLD)]
-        self.group.allgather([out], [torch.tensor([seconds], dtype=torch.float64)]).wait(TIMEOUT)
-        return max(float(t) for t in out)
-
-    def timed(self, fn: Any) -> float:
-        self.barrier()
-        start = time.perf_counter()
-        fn()
-        return self.slowest(time.perf_counter() - start)
 
     # -- link figures ------------------------------------------------------------------------------------
     def _streams(self, pairs: list[tuple[int, int]], buffers: dict[tuple[int, int], Any]) -> None:
@@ -205,52 +187,6 @@ class _Rank:
         return {"rank": self.rank, "links": links, "rows": rows}
 
 
-def _child(rank: int, port: int, args: argparse.Namespace, conn: Connection) -> None:
-    try:
-        conn.send(("ok", _Rank(rank, port, args).run()))
-    except BaseException:
-        conn.send(("error", traceback.format_exc()))
-    conn.close()
-
-
-def _spawn(args: argparse.Namespace) -> list[dict[str, Any]]:
-    from torch.distributed import TCPStore
-
-    store = TCPStore("127.0.0.1", 0, WORLD, True, wait_for_workers=False)
-    ctx = mp.get_context("spawn")
-    procs, readers = [], []
-    try:
-        for rank in range(WORLD):
-            reader, writer = ctx.Pipe(duplex=False)
-            p = ctx.Process(target=_child, args=(rank, store.port, args, writer), daemon=True)
-            p.start()
-            writer.close()
-            procs.append(p)
-            readers.append(reader)
-        results: list[Any] = [None] * WORLD
-        deadline = time.monotonic() + args.timeout
-        pending = dict(zip(readers, range(WORLD), strict=True))
-        while pending:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError(f"ranks {sorted(pending.values())} did not finish within {args.timeout} s")
-            for conn in [c for c in pending if c in wait(list(pending), timeout=left)]:
-                rank = pending.pop(conn)
-                try:
-                    kind, value = conn.recv()
-                except EOFError:
-                    raise RuntimeError(f"rank {rank} died without reporting") from None
-                if kind != "ok":
-                    raise RuntimeError(f"rank {rank} failed:\n{value}")
-                results[rank] = value
-        return results
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m rollout_sync.bench model", description=__doc__.split("\n")[0]
@@ -269,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--rows takes {list(ROWS)}, found {unknown or args.rows}")
     from ..scale.sync_model import LinkFigures, RankWork, modeled_sync
 
-    results = _spawn(args)
+    results = spawn_ranks(args, _Rank)
     raw = results[0]["links"]
     links = LinkFigures(
         message_s=raw["message_s"],

@@ -30,7 +30,7 @@ from ..layout.maps import RankStorage, TensorMap
 from ..layout.sweep import first_uncovered
 from .probe import LocalTargets, StorageView
 
-__all__ = ["LoaderTrace", "TracedCopy", "check_targets", "target_differences"]
+__all__ = ["LoaderTrace", "TracedCopy", "canonical_map", "check_targets", "target_differences"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -233,7 +233,7 @@ def check_targets(
     return unconfirmed
 
 
-def _canonical(m: TensorMap) -> Any:
+def canonical_map(m: TensorMap) -> Any:
     """A map's content without its representation's freedom: pieces sorted, strides of axes of extent 1
     dropped (they address nothing)."""
     return (
@@ -268,7 +268,7 @@ def target_differences(a: LocalTargets, b: LocalTargets) -> list[str]:
         ma, mb = a.maps.get(name), b.maps.get(name)
         if ma is None or mb is None:
             out.append(f"{name}: only in the {'first' if mb is None else 'second'} targets")
-        elif _canonical(ma) != _canonical(mb):
+        elif canonical_map(ma) != canonical_map(mb):
             out.append(f"{name}: maps differ")
         elif a.views.get(name) != b.views.get(name):
             out.append(f"{name}: storage views differ ({a.views.get(name)} against {b.views.get(name)})")

@@ -13,6 +13,7 @@ from typing import Any
 from rollout_sync.layout.maps import TensorMap
 from rollout_sync.models.sides import vllm_target_maps
 from rollout_sync.models.tensors import model_tensors
+from rollout_sync.rollout.check import canonical_map
 from rollout_sync.rollout.targets import RolloutTargets
 from tests.harness.vllm_engines import DEFAULT_PROMPTS, VllmEngine
 from vllm_plugin.driver import apply_checkpoint, setup_engines
@@ -44,22 +45,10 @@ def differing_params(a: Snapshot, b: Snapshot) -> list[tuple[int, str]]:
     return out
 
 
-def canonical(m: TensorMap) -> dict[int, tuple[tuple[int, ...], list[tuple[Any, ...]]]]:
-    """Rank -> (storage shape, sorted pieces), strides of axes of extent 1 dropped (they address nothing)."""
-    out = {}
-    for rank, storage in m.ranks.items():
-        pieces = sorted(
-            (
-                p.box.origin,
-                p.box.extent,
-                p.offset,
-                tuple(s if e > 1 else None for s, e in zip(p.strides, p.box.extent, strict=True)),
-                p.holders,
-            )
-            for p in storage.pieces
-        )
-        out[rank] = (storage.shape, pieces)
-    return out
+def canonical(m: TensorMap) -> Any:
+    """A map's content without its representation's freedom (``check.canonical_map``: shape, dtype, per rank
+    the storage shape and sorted pieces, strides of axes of extent 1 dropped)."""
+    return canonical_map(m)
 
 
 def builder_differences(
