@@ -1,6 +1,8 @@
-"""The rollout side, independent of vLLM: target maps from loader-probe observations (``probe``), their
-plain-data form (``codec``), the logical tensors of a checkpoint (``checkpoint``) and in-place writes into
-storage views with derived-copy rebuilds (``apply``)."""
+"""The rollout side, independent of vLLM: target maps from the model's shapes (``shape_targets``), their
+check against traces of vLLM's loaders (``check``), target maps from loader-probe observations (``probe``),
+a fleet's merged and coverage-checked targets (``targets``), their plain-data form (``codec``), the logical
+tensors of a checkpoint (``checkpoint``) and in-place writes into storage views with derived-copy rebuilds
+(``apply``)."""
 
 from .apply import DerivedCopy, UpdateSession, piece_view, storage_tensor, write_pieces, write_segment
 from .probe import Landing, LocalTargets, StorageView, local_targets, target_map
