@@ -33,7 +33,7 @@ import torch
 from rollout_sync.errors import NotAffineError
 from rollout_sync.rollout.probe import CHUNK, Landing, LandingBuilder
 
-__all__ = ["Observation", "ProbeResult", "probe_model", "stack_key"]
+__all__ = ["Observation", "ProbeResult", "probe_model", "put_parameter", "stack_key", "stand_in"]
 
 _EMPTY = -1.0
 
@@ -73,6 +73,21 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def stand_in(p: torch.nn.Parameter, data: torch.Tensor) -> torch.nn.Parameter:
+    """``data`` as a parameter of ``p``'s class with ``p``'s attributes (its weight loader), for a module
+    slot whose parameter cannot take ``data`` through ``.data`` (another device, the meta device)."""
+    out = data.as_subclass(type(p))
+    out.__dict__.update(p.__dict__)
+    return out
+
+
+def put_parameter(model: torch.nn.Module, name: str, p: torch.nn.Parameter) -> None:
+    """Put ``p`` in the module slot of parameter ``name`` (a dotted name of ``model.named_parameters()``)."""
+    owner, _, leaf = name.rpartition(".")
+    module = model.get_submodule(owner) if owner else model
+    module._parameters[leaf] = p
+
+
 class _Swap:
     """Holds the real ``.data`` of every parameter and swaps probe buffers or tripwires in and out.
 
@@ -103,14 +118,7 @@ class _Swap:
         if not self.real[name].is_meta:
             p.data = data
             return
-        owner, _, leaf = name.rpartition(".")
-        module = self.model.get_submodule(owner) if owner else self.model
-        if data is self.real[name]:
-            module._parameters[leaf] = p
-            return
-        stand_in = data.as_subclass(type(p))
-        stand_in.__dict__.update(p.__dict__)
-        module._parameters[leaf] = stand_in
+        put_parameter(self.model, name, p if data is self.real[name] else stand_in(p, data))
 
     def scope(self, names: Sequence[str]) -> None:
         """Probe buffers for ``names``, tripwires for every other parameter."""

@@ -29,14 +29,11 @@ from rollout_sync.models.tensors import model_tensors
 from rollout_sync.rollout.check import check_targets, target_differences
 from rollout_sync.rollout.probe import LocalTargets, TargetsBuilder
 from rollout_sync.rollout.shape_targets import shape_targets
+from rollout_sync.transport.local_check import dtype_name
 
 __all__ = ["MAPS_MODES", "find_targets"]
 
 MAPS_MODES = ("fast", "probe", "verify")
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 def _from_shapes(
@@ -48,7 +45,7 @@ def _from_shapes(
     return shape_targets(
         model_tensors(config),
         shapes,
-        {n: _dtype_name(p.dtype) for n, p in model.named_parameters()},
+        {n: dtype_name(p.dtype) for n, p in model.named_parameters()},
         rank=rank,
         tp_rank=tp_rank,
         tp=tp,
@@ -75,12 +72,17 @@ def _probe(
 
 
 def _combine(
-    shapes: Mapping[str, tuple[int, ...]], rank: int, fast: LocalTargets | None, probed: LocalTargets | None
+    shapes: Mapping[str, tuple[int, ...]],
+    rank: int,
+    fast: LocalTargets | None,
+    probed: LocalTargets | None,
+    probe_names: set[str],
 ) -> LocalTargets:
-    """Per tensor, the probed targets where there are some, else the fast ones; in ``shapes`` order."""
+    """Per tensor, the probed targets for ``probe_names``, the fast ones for the others; in ``shapes``
+    order."""
     maps, views, refused, absent = {}, {}, {}, []
     for name in shapes:
-        part = probed if probed is not None and (name in probed.maps or name in probed.absent) else fast
+        part = probed if name in probe_names else fast
         if part is None:
             continue
         if name in part.maps:
@@ -126,19 +128,26 @@ def find_targets(
             report["trace_seconds"] = time.perf_counter() - traced
             if to_probe:
                 report["why_probed"] = "the loader trace cannot follow these tensors' loaders"
+    # under ``verify`` the element probe covers every tensor once, and serves those the trace could not
+    # follow too
+    everything = maps == "verify" and fast is not None
     probe_started = time.perf_counter()
     probed = (
-        _probe(model, {n: shapes[n] for n in to_probe}, rank, _dtype_name(dtype), max_pieces)
-        if to_probe
+        _probe(
+            model,
+            shapes if everything else {n: shapes[n] for n in to_probe},
+            rank,
+            dtype_name(dtype),
+            max_pieces,
+        )
+        if everything or to_probe
         else None
     )
     report["probe_seconds"] = time.perf_counter() - probe_started
-    targets = _combine(shapes, rank, fast, probed)
-    if maps == "verify" and fast is not None:
-        verify_started = time.perf_counter()
-        full = _probe(model, shapes, rank, _dtype_name(dtype), max_pieces)
-        report["verify_seconds"] = time.perf_counter() - verify_started
-        differ = target_differences(targets, full)
+    targets = _combine(shapes, rank, fast, probed, set(to_probe))
+    if everything and probed is not None:
+        report["verify_seconds"] = report["probe_seconds"]
+        differ = target_differences(targets, probed)
         if differ:
             raise TargetMismatchError(
                 "the targets built from shapes differ from the element probe's",

@@ -26,6 +26,8 @@ from torch.utils._pytree import tree_flatten
 
 from rollout_sync.rollout.check import LoaderTrace, TracedCopy
 
+from .probing import put_parameter, stand_in
+
 __all__ = ["trace_loads"]
 
 
@@ -38,10 +40,13 @@ class _Transformed(Exception):
 
 
 class _Recorder(TorchDispatchMode):
-    def __init__(self, params: Mapping[int, str]) -> None:
+    """Records the copies from the storage ``source`` (the logical tensor) into parameters (``params``:
+    storage -> name); see the module docstring."""
+
+    def __init__(self, params: Mapping[int, str], source: int) -> None:
         super().__init__()
         self.params = params
-        self.source = -1
+        self.source = source
         self.copies: list[TracedCopy] = []
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
@@ -80,24 +85,21 @@ class _Recorder(TorchDispatchMode):
 @contextmanager
 def _meta_parameters(model: torch.nn.Module) -> Iterator[dict[int, str]]:
     """Every parameter swapped for a meta stand-in (its class and attributes); storage -> name."""
-    swapped: list[tuple[torch.nn.Module, str, torch.nn.Parameter]] = []
+    swapped: list[tuple[str, torch.nn.Parameter]] = []
     by_storage: dict[int, str] = {}
     try:
         for name, p in list(model.named_parameters()):
-            owner, _, leaf = name.rpartition(".")
-            module = model.get_submodule(owner) if owner else model
             if p.is_meta:
                 by_storage[_storage(p)] = name
                 continue
-            stand_in = torch.empty(p.shape, dtype=p.dtype, device="meta").as_subclass(type(p))
-            stand_in.__dict__.update(p.__dict__)
-            module._parameters[leaf] = stand_in
-            swapped.append((module, leaf, p))
-            by_storage[_storage(stand_in)] = name
+            meta = stand_in(p, torch.empty(p.shape, dtype=p.dtype, device="meta"))
+            put_parameter(model, name, meta)
+            swapped.append((name, p))
+            by_storage[_storage(meta)] = name
         yield by_storage
     finally:
-        for module, leaf, p in swapped:
-            module._parameters[leaf] = p
+        for name, p in swapped:
+            put_parameter(model, name, p)
 
 
 def trace_loads(
@@ -109,8 +111,7 @@ def trace_loads(
     with torch.no_grad(), _meta_parameters(model) as params:
         for name, shape in tensors.items():
             source = torch.empty(tuple(shape), dtype=dtype, device="meta")
-            recorder = _Recorder(params)
-            recorder.source = _storage(source)
+            recorder = _Recorder(params, _storage(source))
             try:
                 with recorder:
                     model.load_weights([(name, source)])

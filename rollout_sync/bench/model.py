@@ -36,9 +36,11 @@ import argparse
 import json
 import statistics
 import sys
+from dataclasses import asdict
 from datetime import timedelta
 from typing import Any
 
+from ..scale.sync_model import LinkFigures, modeled_sync, rank_work
 from .execute import TimedRank, _carve, _logical, _pieces_copy, qwen3_like, spawn_ranks
 
 __all__ = ["main"]
@@ -79,7 +81,7 @@ class _Rank(TimedRank):
         for w in works:
             w.wait(TIMEOUT)
 
-    def links(self) -> dict[str, Any]:
+    def links(self) -> LinkFigures:
         import torch
 
         repeat = 5
@@ -116,12 +118,7 @@ class _Rank(TimedRank):
         agree_s = statistics.median(
             self.timed(lambda: self.group.allgather([gathered], [agree]).wait(TIMEOUT)) for _ in range(20)
         )
-        return {
-            "message_s": message_s,
-            "stream_gbps": stream_gbps,
-            "copy_gbps": STREAM_BYTES / copy_s / 1e9,
-            "agree_s": agree_s,
-        }
+        return LinkFigures(message_s, stream_gbps, STREAM_BYTES / copy_s / 1e9, agree_s)
 
     # -- rows --------------------------------------------------------------------------------------------
     def row(self, name: str, spec: dict[str, Any]) -> dict[str, Any]:
@@ -129,7 +126,6 @@ class _Rank(TimedRank):
 
         from ..models import model_tensors, trainer_maps, vllm_target_maps
         from ..planning.planner import plan_model
-        from ..scale.sync_model import rank_work
         from ..transport import ExecuteOptions, Executor
 
         model = model_tensors(qwen3_like(self.args.layers, self.args.vocab))
@@ -169,16 +165,7 @@ class _Rank(TimedRank):
             "measured_s": statistics.median(times),
             "all_s": [round(t, 4) for t in times],
             "verified": verified,
-            "work": {
-                "rank": work.rank,
-                "sent": work.sent,
-                "received": work.received,
-                "packed_send_bytes": work.packed_send_bytes,
-                "packed_recv_bytes": work.packed_recv_bytes,
-                "local_bytes": work.local_bytes,
-                "messages": work.messages,
-                "rounds": work.rounds,
-            },
+            "work": work,
         }
 
     def run(self) -> dict[str, Any]:
@@ -203,16 +190,9 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [r for r in args.rows if r not in ROWS]
     if unknown or not args.rows:
         parser.error(f"--rows takes {list(ROWS)}, found {unknown or args.rows}")
-    from ..scale.sync_model import LinkFigures, RankWork, modeled_sync
 
     results = spawn_ranks(args, _Rank)
-    raw = results[0]["links"]
-    links = LinkFigures(
-        message_s=raw["message_s"],
-        stream_gbps={int(k): float(v) for k, v in raw["stream_gbps"].items()},
-        copy_gbps=raw["copy_gbps"],
-        agree_s=raw["agree_s"],
-    )
+    links = results[0]["links"]
     print(
         f"links: {links.message_s * 1e6:.0f} us per message, streams "
         + ", ".join(f"{k}: {g:.2f} GB/s" for k, g in sorted(links.stream_gbps.items()))
@@ -221,19 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for index, name in enumerate(args.rows):
         per_rank = [r["rows"][index] for r in results]
-        works = [
-            RankWork(
-                int(w["rank"]),
-                {int(p): int(n) for p, n in w["sent"].items()},
-                {int(p): int(n) for p, n in w["received"].items()},
-                int(w["packed_send_bytes"]),
-                int(w["packed_recv_bytes"]),
-                int(w["local_bytes"]),
-                int(w["messages"]),
-                int(w["rounds"]),
-            )
-            for w in (r["work"] for r in per_rank)
-        ]
+        works = [r["work"] for r in per_rank]
         modeled = modeled_sync(works, links)
         measured = float(per_rank[0]["measured_s"])
         row = {
@@ -256,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
             + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in modeled.parts[modeled.slowest].items())
         )
     if args.json:
-        print(json.dumps({"links": {**raw, "stream_gbps": links.stream_gbps}, "rows": rows}))
+        print(json.dumps({"links": asdict(links), "rows": rows}))
     return 0
 
 

@@ -69,14 +69,15 @@ def check_target_covers(target: TensorMap) -> None:
     """``HoleError`` unless the target map's boxes (over all its ranks) cover every element of its tensor
     (as DeepSpeed's planner refuses "target pieces do not cover the full logical parameter")."""
     regions = target.regions
-    if sum(prod(extent) for _, extent, _ in regions) == prod(target.shape):
+    held = sum(prod(extent) for _, extent, _ in regions)
+    if held == prod(target.shape):
         return
     hole = first_uncovered(target.shape, [(origin, extent) for origin, extent, _ in regions])
     raise HoleError(
         f"no target rank holds some elements of this tensor: first uncovered position {list(hole or ())}",
         tensor=target.name,
         expected=f"every element of {target.shape} held by some target rank",
-        found=f"{sum(prod(extent) for _, extent, _ in regions)} of {prod(target.shape)} elements",
+        found=f"{held} of {prod(target.shape)} elements",
     )
 
 

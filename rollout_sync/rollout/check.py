@@ -27,7 +27,7 @@ from typing import Any
 from ..errors import TargetMismatchError
 from ..layout.box import Box, row_major_strides
 from ..layout.maps import RankStorage, TensorMap
-from ..layout.sweep import first_uncovered
+from ..layout.sweep import first_overlap, first_uncovered
 from .probe import LocalTargets, StorageView
 
 __all__ = ["LoaderTrace", "TracedCopy", "canonical_map", "check_targets", "target_differences"]
@@ -159,18 +159,18 @@ def _check_tensor(
             expected=f"element {list(x)} at flat element {want_at}",
             found=f"flat element {got_at}",
         )
-    for i, a in enumerate(landed):
-        for b in landed[i + 1 :]:
-            both = a.box.intersect(b.box)
-            if both is not None:
-                raise TargetMismatchError(
-                    f"vLLM's loader writes some elements twice on this worker, the maps once; first wrong "
-                    f"position {list(both.origin)}",
-                    tensor=name,
-                    rank=rank,
-                    expected="each element at one place",
-                    found=f"box {both} in parameters {a.copy.param!r} and {b.copy.param!r}",
-                )
+    pair = first_overlap([(x.box.origin, x.box.extent) for x in landed])
+    if pair is not None:
+        a, b = (landed[i] for i in pair)
+        both = a.box.intersect(b.box)
+        raise TargetMismatchError(
+            f"vLLM's loader writes some elements twice on this worker, the maps once; first wrong "
+            f"position {list(both.origin) if both else None}",
+            tensor=name,
+            rank=rank,
+            expected="each element at one place",
+            found=f"box {both} in parameters {a.copy.param!r} and {b.copy.param!r}",
+        )
     written = sum(item.box.numel for item in landed)
     held = sum(p.box.numel for p in storage.pieces)
     if covered != written:

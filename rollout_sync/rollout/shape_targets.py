@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from ..errors import LayoutError, UnsupportedLayoutError
+from ..errors import UnsupportedLayoutError
 from ..layout.maps import Piece, RankStorage, TensorMap
 from ..models.sides import vllm_param_views, vllm_target_maps
 from ..models.tensors import ModelTensors
@@ -81,11 +81,6 @@ def shape_targets(
         local = RankStorage(
             storage.shape, tuple(Piece(p.box, p.offset, p.strides, (rank,)) for p in storage.pieces)
         )
-        try:
-            maps[name] = TensorMap(name, tuple(shapes[name]), dtype, {rank: local})
-        except LayoutError as exc:  # cannot happen for a built map; named rather than assumed
-            raise UnsupportedLayoutError(
-                f"shape-table map is invalid: {exc}", tensor=name, rank=rank
-            ) from exc
+        maps[name] = TensorMap(name, tuple(shapes[name]), dtype, {rank: local})
         views[name] = StorageView(param, offset, storage.shape)
     return LocalTargets(rank, maps, views, {}, tuple(absent))

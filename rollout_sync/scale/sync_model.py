@@ -29,6 +29,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import pairwise
+from math import prod
 from typing import TYPE_CHECKING
 
 from ..layout.dtypes import ITEMSIZE
@@ -111,10 +112,7 @@ def rank_work(half: PlanHalf, schedule: Schedule) -> RankWork:
         packed_recv += 0 if m.direct else m.nbytes
     local = 0
     for s in schedule.local:
-        n = 1
-        for e in s.extent:
-            n *= e
-        local += n * ITEMSIZE[half.tensors[s.tensor].target_dtype]
+        local += prod(s.extent) * ITEMSIZE[half.tensors[s.tensor].target_dtype]
     return RankWork(
         half.rank,
         sent,

@@ -190,8 +190,9 @@ def coordinate(
                     parts[m.name].append(alone(m, described, rank))
             targets = [merge(ms) for _, ms in sorted(parts.items())]
             engines: dict[int, list[int]] = defaultdict(list)
-            for p in rollout:
-                engines[p.group].append(coord.global_rank(p))
+            for e in roster:
+                if e.engine is not None:
+                    engines[e.engine].append(e.rank)
             # every engine holds every element of every tensor it takes, exactly once: nothing stays stale
             check_engine_coverage(
                 {m.name: m for m in targets}, [sorted(r) for _, r in sorted(engines.items())]
