@@ -134,10 +134,12 @@ def coordinate(
     timeout: float = 120.0,
     cache: PlanCache | None = DEFAULT_PLAN_CACHE,
     shared_memory: bool = True,
+    delta: bool = False,
 ) -> Coordinated:
     """Admit, plan (or reuse the cached plan of the same layout version), welcome. On any failure every
     admitted peer is told why (ABORT) before this raises. ``shared_memory``: ranks on one host in other
-    processes move bytes through shared memory (``transport.shared_memory``); every rank is told."""
+    processes move bytes through shared memory (``transport.shared_memory``); ``delta``: syncs after a
+    committed one send only what changed (``transport.delta``); every rank is told both."""
     try:
         peers = coord.admit()
         trainers = [p for p in peers if p.role == TRAINER]
@@ -211,6 +213,7 @@ def coordinate(
             "store_port": int(store.port),
             "backend": backend,
             "shared_memory": shared_memory,
+            "delta": delta,
             "digest": plan.digest,
             "layout_version": version or "",
         }

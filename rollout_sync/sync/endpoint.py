@@ -132,7 +132,9 @@ class Endpoint:
             half=half,
             # the coordinator's choice, the same for every rank (agreed again at every sync)
             options=replace(
-                options or ExecuteOptions(timeout=timeout), shared_memory=bool(f.get("shared_memory", True))
+                options or ExecuteOptions(timeout=timeout),
+                shared_memory=bool(f.get("shared_memory", True)),
+                delta=bool(f.get("delta", False)),
             ),
             device=device,
             roster=decode_roster(f.get("roster")),
@@ -253,4 +255,5 @@ class Endpoint:
             if named is not None:
                 raise named from exc
             raise
+        self.executor.committed(agreed)
         return SyncResult(agreed, stats, time.perf_counter() - start)

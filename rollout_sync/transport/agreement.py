@@ -15,7 +15,11 @@ Record layout (little endian, ``RECORD_BYTES`` bytes)::
     14  2  reason length        16  32 sha256 of the plan digest
     48  16 table hash           64  8  sum of sent segment hashes      72  8  sum of received ones
     80  8  wanted message bytes 88  8  staging cap bytes
-    96  16 digest prefix (text) 112 ... reason (UTF-8, truncated)
+    96  16 digest prefix (text) 112 8  base version (-1: none)   120 8  base layout
+    128 ... reason (UTF-8, truncated)
+
+The base (``delta``): the version of the last sync this rank committed with the delta option on, and the
+layout of that sync's messages (``delta.layout_key``); ``delta_base`` decides whether this sync is a delta.
 """
 
 from __future__ import annotations
@@ -30,13 +34,22 @@ from ..errors import PlanMismatchError
 from .collectives import allgather_bytes
 from .fingerprint import MASK64
 
-__all__ = ["FORMAT_VERSION", "RECORD_BYTES", "Record", "decide", "decode", "encode", "exchange"]
+__all__ = [
+    "FORMAT_VERSION",
+    "RECORD_BYTES",
+    "Record",
+    "decide",
+    "decode",
+    "delta_base",
+    "encode",
+    "exchange",
+]
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 RECORD_BYTES = 512
 _MAGIC = b"RSX" + bytes([FORMAT_VERSION])
-_HEAD = struct.Struct("<4sIiBBH32s16sQQQQ16s")
-_REASON_BYTES = RECORD_BYTES - _HEAD.size  # 400
+_HEAD = struct.Struct("<4sIiBBH32s16sQQQQ16sq8s")
+_REASON_BYTES = RECORD_BYTES - _HEAD.size  # 384
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +68,8 @@ class Record:
     staging_cap_bytes: int
     reason: str
     shared_memory: bool = False
+    base_version: int = -1
+    base_layout: bytes = b"\0" * 8
     magic: bytes = _MAGIC
 
 
@@ -75,6 +90,8 @@ def encode(r: Record) -> bytes:
         r.message_bytes,
         r.staging_cap_bytes,
         r.digest_prefix.encode("utf-8", "replace")[:16],
+        r.base_version,
+        r.base_layout[:8].ljust(8, b"\0"),
     )
     return (head + reason).ljust(RECORD_BYTES, b"\0")
 
@@ -82,9 +99,23 @@ def encode(r: Record) -> bytes:
 def decode(data: bytes) -> Record:
     if len(data) != RECORD_BYTES:
         raise ValueError(f"an agreement record has {RECORD_BYTES} bytes, not {len(data)}")
-    (magic, grank, hrank, status, flags, nreason, dsha, thash, ssum, rsum, mbytes, cap, prefix) = (
-        _HEAD.unpack(data[: _HEAD.size])
-    )
+    (
+        magic,
+        grank,
+        hrank,
+        status,
+        flags,
+        nreason,
+        dsha,
+        thash,
+        ssum,
+        rsum,
+        mbytes,
+        cap,
+        prefix,
+        base,
+        layout,
+    ) = _HEAD.unpack(data[: _HEAD.size])
     reason = data[_HEAD.size : _HEAD.size + nreason].decode("utf-8", "replace")
     return Record(
         group_rank=grank,
@@ -101,6 +132,8 @@ def decode(data: bytes) -> Record:
         message_bytes=mbytes,
         staging_cap_bytes=cap,
         reason=reason,
+        base_version=base,
+        base_layout=layout,
         magic=magic,
     )
 
@@ -170,6 +203,16 @@ def decide(records: Sequence[Record]) -> list[int]:
             "although every rank holds the same plan digest (a half was built wrongly)"
         )
     return [rec.message_bytes for rec in records]
+
+
+def delta_base(records: Sequence[Record], layout: bytes) -> int | None:
+    """The base version of a delta sync: the one every rank names, under the message layout agreed now;
+    None (a full sync) when any rank names none, another version or another layout."""
+    bases = {(rec.base_version, rec.base_layout) for rec in records}
+    if len(bases) != 1:
+        return None
+    ((version, base_layout),) = bases
+    return version if version >= 0 and base_layout == layout[:8].ljust(8, b"\0") else None
 
 
 def exchange(

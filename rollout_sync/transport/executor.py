@@ -51,6 +51,7 @@ import torch
 
 from ..planning.plan import PlanHalf
 from . import agreement, cross_memory
+from .delta import DeltaCounts, DeltaProgram, Shadow, layout_key, run_delta
 from .fingerprint import pair_sums, table_hash
 from .groups import group_backend, group_rank, group_size
 from .handoff import copy_handoff, copy_segments
@@ -122,6 +123,12 @@ class Executor:
         self._cached: tuple[tuple[Any, ...], Program] | None = None
         self._fingerprints: tuple[PlanHalf, bytes, tuple[int, int]] | None = None
         self._checked: PlanHalf | None = None
+        # delta syncs (``delta``): the base this rank names at the next agreement, the layout of the sync in
+        # flight, the sender's shadow and the all-packed program of the last layout
+        self._base: tuple[int, bytes] | None = None
+        self._in_flight: bytes | None = None
+        self._shadow: Shadow | None = None
+        self._delta: DeltaProgram | None = None
 
     @property
     def depth(self) -> int:
@@ -181,7 +188,14 @@ class Executor:
         return fp
 
     # -- 2. agree ---------------------------------------------------------------------------------------
-    def _agree(self, half: Any, reason: str | None, wanted: int, device: torch.device) -> list[int]:
+    def _agree(
+        self,
+        half: Any,
+        reason: str | None,
+        wanted: int,
+        device: torch.device,
+        base: tuple[int, bytes] | None = None,
+    ) -> tuple[list[int], int | None]:
         ok = isinstance(half, PlanHalf) and reason is None
         thash, (sent, received) = self._half_fingerprints(half) if ok else (b"\0" * 16, (0, 0))
         digest = half.digest if isinstance(half, PlanHalf) else ""
@@ -200,11 +214,15 @@ class Executor:
             message_bytes=wanted,
             staging_cap_bytes=self.options.staging_cap_bytes,
             reason=reason or "",
+            base_version=-1 if base is None else base[0],
+            base_layout=b"\0" * 8 if base is None else base[1],
         )
         records = agreement.exchange(
             self.group, agreement.encode(record), self.world, self.options.timeout, self.rank, device
         )
-        return agreement.decide(records)
+        offers = agreement.decide(records)
+        self._in_flight = layout_key(digest, offers, self.depth)
+        return offers, agreement.delta_base(records, self._in_flight)
 
     # -- 3. schedule ------------------------------------------------------------------------------------
     @property
@@ -266,8 +284,13 @@ class Executor:
             reason = f"rank {self.rank}: {refusal}"
         if device is None:
             device = self._default_device()
+        base = self._offered_base(targets, stream)
+        self._base = self._in_flight = None  # only the commit of this sync gives a base back
         t = clock.add("check", t)
-        offers = self._agree(half, reason, wanted, device)
+        offers, delta_base = self._agree(half, reason, wanted, device, base)
+        if delta_base is not None:
+            clock.add("agree", t)
+            return self._execute_delta(half, offers, delta_base, sources, targets, device, clock, t0)
         self._probe_pulls(half)
         t = clock.add("agree", t)
         program = self._program(half, offers)
@@ -286,12 +309,12 @@ class Executor:
             except BaseException as e:
                 if self.shared_slots is not None:  # segments a dead peer made and nobody opened
                     sweep_stale(self.shared_slots.directory)
-                for peer, _ in schedule.handoff_from:
-                    if peer not in taken:  # its sender must not wait for the timeout
-                        transport.decline(
-                            peer, f"rank {self.rank} failed before copying from rank {peer}: {e!r}"
-                        )
+                self._decline(transport, schedule, taken, e)
                 raise
+            if self.options.delta:
+                t = time.perf_counter()
+                self._refill_shadow(half, offers, sources, device)
+                clock.add("shadow", t)
         clock.seconds["total"] = time.perf_counter() - t0
         return SyncStats(
             rank=self.rank,
@@ -306,7 +329,143 @@ class Executor:
             seconds=clock.seconds,
             bytes_handed=dict(program.bytes_handed),
             bytes_pulled=pulled_bytes(self._pull_plan(program)),
+            delta_state_bytes=self.delta_state_bytes,
         )
+
+    # -- delta syncs (``delta``) ------------------------------------------------------------------------
+    @property
+    def delta_state_bytes(self) -> int:
+        """The memory this rank keeps for delta syncs: its shadow of what it last sent."""
+        return 0 if self._shadow is None else self._shadow.nbytes
+
+    def committed(self, version: int) -> None:
+        """Every rank committed the sync this executor ran last, as weight version ``version``: with the
+        delta option, name it as this rank's base at the next agreement."""
+        if self.options.delta and self._in_flight is not None:
+            self._base = (version, self._in_flight)
+
+    def forget_base(self) -> None:
+        """Something other than a sync wrote this rank's storages: the next sync is a full one."""
+        self._base = None
+
+    def _offered_base(
+        self, targets: Mapping[str, torch.Tensor], stream: TargetStream | None
+    ) -> tuple[int, bytes] | None:
+        base = self._base
+        if not self.options.delta or base is None:
+            return None
+        if stream is not None and any(isinstance(t, torch.Tensor) and t.is_meta for t in targets.values()):
+            return None  # a streamed target (a layer's loaded form) does not hold the base's values
+        delta = self._delta
+        if (
+            delta is not None
+            and delta.shadow_bytes
+            and (self._shadow is None or self._shadow.layout != base[1])
+        ):
+            return None
+        return base
+
+    def _delta_program(self, half: PlanHalf, offers: list[int]) -> DeltaProgram:
+        layout = self._in_flight
+        assert layout is not None  # set by the agreement
+        cached = self._delta
+        if cached is not None and cached.layout == layout and cached.program.schedule.rank == half.rank:
+            return cached
+        send_peers, recv_peers = peers_of(half, self.in_process)
+        sizes = {p: min(offers[self.rank], offers[p]) // ALIGN * ALIGN for p in {*send_peers, *recv_peers}}
+        schedule = build_schedule(
+            half, sizes, zero_copy=False, depth=self.depth, in_process=self.in_process, uniform=True
+        )
+        self._delta = DeltaProgram.of(compile_program(half, schedule), layout)
+        return self._delta
+
+    def _refill_shadow(
+        self, half: PlanHalf, offers: list[int], sources: Mapping[str, torch.Tensor], device: torch.device
+    ) -> None:
+        """After a full sync: the shadow holds what this rank sent (the base of the next delta sync)."""
+        delta = self._delta_program(half, offers)
+        if not delta.shadow_bytes:
+            self._shadow = None
+            return
+        shadow = self._shadow
+        if shadow is None or shadow.nbytes != delta.shadow_bytes:
+            self._shadow = None  # release before allocating the new one
+            shadow = Shadow(delta, device)
+        shadow.layout = delta.layout
+        shadow.refill(delta, sources)
+        self._shadow = shadow
+
+    def _execute_delta(
+        self,
+        half: PlanHalf,
+        offers: list[int],
+        base: int,
+        sources: Mapping[str, torch.Tensor],
+        targets: Mapping[str, torch.Tensor],
+        device: torch.device,
+        clock: _Clock,
+        t0: float,
+    ) -> SyncStats:
+        t = time.perf_counter()
+        delta = self._delta_program(half, offers)
+        program = delta.program
+        schedule = program.schedule
+        arena = self.arena.reserve(schedule.staging_bytes, device, self.options.staging_cap_bytes)
+        shadow = self._shadow
+        if shadow is None:  # a rank that sends nothing over the group
+            shadow = Shadow(delta, device)
+        t = clock.add("schedule", t)
+
+        def slot(direction: str, m: Message) -> torch.Tensor:
+            offset, _ = schedule.slot(direction, m)
+            return arena[offset : offset + m.nbytes]
+
+        with torch.no_grad():
+            streamed = Targets(targets, None, half, program)
+            transport = transport_for(
+                self.group, self.backend, self.rank, self.options.timeout, device, self.local
+            )
+            taken: set[int] = set()
+            try:
+                offered = [transport.offer(peer, sources) for peer in schedule.handoff_to]
+                copy_segments(schedule.local, half, sources, streamed)
+                for peer, handed in schedule.handoff_from:
+                    taken.add(peer)
+                    copy_handoff(transport, peer, handed, half, streamed)
+                t = clock.add("local", t)
+                counts: DeltaCounts = run_delta(delta, shadow, slot, sources, streamed, transport, clock.add)
+                t = time.perf_counter()
+                transport.wait(offered)
+                clock.add("wait", t)
+            except BaseException as e:
+                self._decline(transport, schedule, taken, e)
+                raise
+        clock.seconds["total"] = time.perf_counter() - t0
+        return SyncStats(
+            rank=self.rank,
+            bytes_sent=counts.bytes_sent,
+            bytes_received=counts.bytes_received,
+            local_bytes=program.local_bytes,
+            messages_sent=counts.messages_sent,
+            messages_received=counts.messages_received,
+            rounds=schedule.rounds,
+            peak_staging_bytes=self.arena.allocated_bytes + self.shared_bytes,
+            staging_cap_bytes=self.options.staging_cap_bytes,
+            seconds=clock.seconds,
+            bytes_handed=dict(program.bytes_handed),
+            delta_base=base,
+            elements_compared=counts.compared,
+            elements_changed=counts.changed,
+            delta_state_bytes=self.delta_state_bytes,
+        )
+
+    @staticmethod
+    def _decline(transport: Transport, schedule: Schedule, taken: set[int], error: BaseException) -> None:
+        for peer, _ in schedule.handoff_from:
+            if peer not in taken:  # its sender must not wait for the timeout
+                transport.decline(
+                    peer, f"rank {transport.rank} failed before copying from rank {peer}: {error!r}"
+                )
 
     @property
     def shared_bytes(self) -> int:

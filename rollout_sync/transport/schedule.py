@@ -309,10 +309,12 @@ def pair_messages(
     *,
     zero_copy: bool,
     pull: bool = False,
+    uniform: bool = False,
 ) -> list[Message]:
     """All messages of one pair stream, in round order (see the module docstring). ``segments`` are the
     segments between this rank and ``peer`` in one direction; the other end passes the same set. ``pull``:
-    the receiver pulls from the sender's memory, so every ``pullable`` segment is direct."""
+    the receiver pulls from the sender's memory, so every ``pullable`` segment is direct. ``uniform``: a
+    packed message holds parts of one wire element size only (a delta sync compares messages as arrays)."""
     if message_bytes < MIN_MESSAGE_BYTES or message_bytes % ALIGN:
         raise ValueError(
             f"message size {message_bytes} is below {MIN_MESSAGE_BYTES} or not a multiple of {ALIGN}"
@@ -339,6 +341,8 @@ def pair_messages(
                 part = Part(s, start, count, 0)
                 direct.append(Message(peer, len(direct), True, count * size, (part,)))
             continue
+        if uniform and parts and _wire_size(half, parts[-1].segment) != size:
+            close()
         start = 0
         while start < n:
             at = -(-used // size) * size  # typed views of the byte buffer need element alignment
@@ -364,10 +368,12 @@ def build_schedule(
     shared: frozenset[int] = frozenset(),
     pulls_from: frozenset[int] = frozenset(),
     pulled_by: frozenset[int] = frozenset(),
+    uniform: bool = False,
 ) -> Schedule:
     """The schedule of ``half`` given the agreed message size with each peer; segments with a peer in
     ``in_process`` become handoffs; peers in ``shared`` get shared slots, and direct messages only where
-    this rank pulls from them (``pulls_from``) or they pull from it (``pulled_by``)."""
+    this rank pulls from them (``pulls_from``) or they pull from it (``pulled_by``); ``uniform``: one wire
+    element size per packed message (``pair_messages``)."""
     if depth not in (1, 2):
         raise ValueError(f"depth must be 1 or 2, not {depth}")
     by_peer_out: dict[int, list[Segment]] = {}
@@ -398,6 +404,7 @@ def build_schedule(
                 message_bytes[peer],
                 zero_copy=direct,
                 pull=zero_copy and peer in pulls,
+                uniform=uniform,
             )
             out.extend(msgs)
             for m in msgs:

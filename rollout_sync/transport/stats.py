@@ -25,6 +25,10 @@ class ExecuteOptions:
     """Between ranks on one host in different processes (CPU, gloo), pull or stage bytes through memory
     (``shared_memory``, ``cross_memory``) and send only signals over the group; off: every byte goes over
     the group. Every rank must run the same way (agreed per sync; a handshake sets it for all)."""
+    delta: bool = False
+    """Delta syncs (``delta``): after a sync every rank has committed, the next one sends only the elements
+    that changed. A sender keeps a copy of what it sent (its shadow: the bytes it sends per sync). A rank
+    with it off names no base, so every sync is a full one."""
 
     def __post_init__(self) -> None:
         if self.staging_cap_bytes <= 0:
@@ -53,6 +57,14 @@ class SyncStats:
     bytes_handed: dict[int, int] = field(default_factory=dict)
     bytes_pulled: dict[int, int] = field(default_factory=dict)
     """Of ``bytes_received``, per same-host peer, the bytes this rank pulled straight from its memory."""
+    delta_base: int | None = None
+    """The base version a delta sync applied its changes on; None for a full sync."""
+    elements_compared: int = 0
+    """A sender in a delta sync: the elements it compared with what it last sent."""
+    elements_changed: int = 0
+    """Of ``elements_compared``, those that had changed (bit for bit, in the dtype the receiver holds)."""
+    delta_state_bytes: int = 0
+    """The memory this rank keeps for delta syncs (a sender's shadow of what it last sent)."""
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -68,4 +80,8 @@ class SyncStats:
             "seconds": dict(self.seconds),
             "bytes_handed": {str(k): v for k, v in self.bytes_handed.items()},
             "bytes_pulled": {str(k): v for k, v in self.bytes_pulled.items()},
+            "delta_base": self.delta_base,
+            "elements_compared": self.elements_compared,
+            "elements_changed": self.elements_changed,
+            "delta_state_bytes": self.delta_state_bytes,
         }
