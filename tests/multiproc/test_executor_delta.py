@@ -55,7 +55,7 @@ class Stepped:
                 _fill(self.sources[m.name], m, self.rank, self.values[m.name].to(_dtype(m.dtype)))
 
     def step(self, step: int, fraction: float) -> None:
-        for i, (name, full) in enumerate(sorted(self.values.items())):
+        for i, (_name, full) in enumerate(sorted(self.values.items())):
             g = torch.Generator().manual_seed(self.sc.seed * 100_003 + step * 101 + i)
             flat = full.view(-1)
             n = round(fraction * flat.numel())

@@ -10,7 +10,15 @@ from hypothesis import strategies as st
 
 from rollout_sync.errors import PlanMismatchError
 from rollout_sync.planning.plan import Plan, PlannedTensor, Segment
-from rollout_sync.transport.agreement import RECORD_BYTES, Record, decide, decode, digest_sha, encode
+from rollout_sync.transport.agreement import (
+    RECORD_BYTES,
+    Record,
+    decide,
+    decode,
+    delta_base,
+    digest_sha,
+    encode,
+)
 from rollout_sync.transport.fingerprint import pair_sums, table_hash
 
 
@@ -50,18 +58,45 @@ def _records(plan: Plan, **per_rank: dict[str, object]) -> list[Record]:
 
 
 @settings(max_examples=100, deadline=None)
-@given(reason=st.text(max_size=600), sent=st.integers(0, 2**64 - 1), message=st.integers(0, 2**40))
+@given(
+    reason=st.text(max_size=600),
+    sent=st.integers(0, 2**64 - 1),
+    message=st.integers(0, 2**40),
+    base=st.integers(-1, 2**62),
+    layout=st.binary(min_size=8, max_size=8),
+)
 def test_a_record_survives_encoding_with_its_reason_cut_at_a_character(
-    reason: str, sent: int, message: int
+    reason: str, sent: int, message: int, base: int, layout: bytes
 ) -> None:
     r = dataclasses.replace(
-        _record(_plan(), 1), reason=reason, sent_sum=sent, message_bytes=message, refused=True
+        _record(_plan(), 1),
+        reason=reason,
+        sent_sum=sent,
+        message_bytes=message,
+        refused=True,
+        base_version=base,
+        base_layout=layout,
     )
     data = encode(r)
     assert len(data) == RECORD_BYTES
     back = decode(data)
-    assert back.reason == reason.encode("utf-8", "replace")[:400].decode("utf-8", "ignore")
+    assert back.reason == reason.encode("utf-8", "replace")[:384].decode("utf-8", "ignore")
     assert dataclasses.replace(back, reason="") == dataclasses.replace(r, reason="")
+
+
+def test_a_delta_runs_only_on_one_base_every_rank_names_under_the_layout_agreed_now() -> None:
+    layout = b"L" * 8
+    same = {"base_version": 4, "base_layout": layout}
+    records = _records(_plan(), r0=same, r1=same, r2=same)
+    assert delta_base(records, layout) == 4
+    assert delta_base(records, b"M" * 8) is None  # the messages are laid out otherwise now
+    assert delta_base(_records(_plan(), r0=same, r1=same, r2={**same, "base_version": 3}), layout) is None
+    assert (
+        delta_base(_records(_plan(), r0=same, r1=same, r2={**same, "base_layout": b"M" * 8}), layout) is None
+    )
+    assert delta_base(_records(_plan(), r0=same, r1=same), layout) is None  # rank 2 names no base
+    none = {"base_version": -1, "base_layout": layout}
+    assert delta_base(_records(_plan(), r0=none, r1=none, r2=none), layout) is None
 
 
 def test_ranks_that_agree_get_every_rank_s_message_size() -> None:
