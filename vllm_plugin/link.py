@@ -84,6 +84,12 @@ def receive(worker: RolloutWorker, link: RolloutLink, *, open_update: bool = Tru
         forms.reset_seconds()
     if session is None:
         raise RuntimeError(f"rank {worker.rank}: no weight update is open (call start_weight_update first)")
+    # A delta sync applies on the values the last sync left: not when something else wrote the weights
+    # since (another update: a checkpoint, vLLM's own loader), nor into buffers that do not outlive an update.
+    before = link.updates_seen
+    if before is None or worker.updates != before + 1 or not all(map(session.persistent, link.target_names)):
+        link.forget_base()
+    link.updates_seen = worker.updates
     try:
         targets = {
             name: session.placeholder(name) if session.streamed(name) else session.storage(name)

@@ -83,17 +83,19 @@ def use_rollout_sync(
     host: str = "127.0.0.1",
     timeout: float = 300.0,
     staging_cap_bytes: int = DEFAULT_STAGING_CAP_BYTES,
+    delta: bool = False,
 ) -> TrlWeightSync:
     """Make TRL's weight sync rollout-sync's in this process; call it before building the trainer (server
     mode: TRL's NCCL communicator is set up while the trainer is built). ``host``: where training process 0
     listens for the vLLM workers (loopback: same machine; a routable address for a server elsewhere).
-    Returns the sync (``history``, ``summary()``, ``after_sync`` hooks). Calling it again returns the same."""
+    ``delta``: syncs after the first send only the weights that changed (``WeightSync``). Returns the sync
+    (``history``, ``summary()``, ``after_sync`` hooks). Calling it again returns the same."""
     global _installed
     if _installed is not None:
         return _installed
     from trl.generation import vllm_client, vllm_generation
 
-    sync = TrlWeightSync(host=host, timeout=timeout, staging_cap_bytes=staging_cap_bytes)
+    sync = TrlWeightSync(host=host, timeout=timeout, staging_cap_bytes=staging_cap_bytes, delta=delta)
 
     def sync_weights(generation: Any) -> None:
         sync.sync_generation(generation)

@@ -27,7 +27,7 @@ from ..transport import DEFAULT_STAGING_CAP_BYTES
 from .background import Background
 from .rollout_side import RolloutSide
 
-__all__ = ["WeightSync", "check_trainer", "deepspeed_engine", "is_peft"]
+__all__ = ["WeightSync", "changed_fraction", "check_trainer", "deepspeed_engine", "is_peft"]
 
 
 def deepspeed_engine(accelerator: Any) -> Any:
@@ -60,6 +60,14 @@ def check_trainer(engine: Any, *, distributed_type: str = "DEEPSPEED", peft: boo
         )
 
 
+def changed_fraction(result: SyncResult) -> float | None:
+    """Of the elements this rank compared in a delta sync, the share that had changed (None: a full sync)."""
+    stats = result.stats
+    if stats.delta_base is None or not stats.elements_compared:
+        return None
+    return round(stats.elements_changed / stats.elements_compared, 6)
+
+
 def _free_port(host: str) -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
@@ -71,7 +79,9 @@ class WeightSync:
 
     ``host``: where training process 0 serves the coordinator (the vLLM workers connect to it; loopback by
     default: same machine). ``state``: ``param`` (the weights the model trains, as TRL syncs them) or
-    ``fp32`` (ZeRO's master weights)."""
+    ``fp32`` (ZeRO's master weights). ``delta``: after the first sync, send only the elements that changed
+    (``transport.delta``: each training process keeps a copy of what it sent, the bytes it sends per sync;
+    segments copied within a process, as in TRL's colocate mode, are copied whole)."""
 
     def __init__(
         self,
@@ -83,8 +93,10 @@ class WeightSync:
         timeout: float = 300.0,
         staging_cap_bytes: int = DEFAULT_STAGING_CAP_BYTES,
         state: str = "param",
+        delta: bool = False,
     ) -> None:
         self.rollout = rollout
+        self.delta = delta
         self.host = host
         self.port = port
         self.token = token
@@ -148,6 +160,7 @@ class WeightSync:
                 staging_cap_bytes=self.staging_cap_bytes,
                 timeout=self.timeout,
                 state=self.state,
+                delta=self.delta,
             )
         self.engine = engine
         self.setup = {
@@ -194,7 +207,8 @@ class WeightSync:
 
     def summary(self) -> dict[str, Any]:
         """Per-process figures: syncs, their seconds (median, each), the last sync's bytes sent over the process
-        group and bytes handed to ranks in this process (copied in memory), its version."""
+        group and bytes handed to ranks in this process (copied in memory), its version; per sync, the bytes
+        this process sent and, for delta syncs, the share of the elements it compared that had changed."""
         seconds = [r.seconds for r in self.history]
         last = self.history[-1] if self.history else None
         return {
@@ -205,6 +219,8 @@ class WeightSync:
             "bytes_sent": sum(last.stats.bytes_sent.values()) if last else 0,  # the last sync's
             "in_process_bytes": self.in_process_bytes(last) if last else 0,
             "version": last.version if last else None,
+            "bytes_sent_per_sync": [sum(r.stats.bytes_sent.values()) for r in self.history],
+            "changed_fraction": [changed_fraction(r) for r in self.history],
         }
 
     def detach(self) -> None:

@@ -253,6 +253,15 @@ class UpdateSession:
             return buf
         return storage_tensor(self.params[view.param], view, tensor=name, rank=self.rank)
 
+    def persistent(self, name: str) -> bool:
+        """Whether ``name`` is received straight into a parameter that outlives the update (not a staging
+        buffer, not a transient layer's loaded form): only then does it still hold the last update's values
+        when the next one starts (what a delta sync needs)."""
+        view = self.views.get(name)
+        if view is None or view.param is None:
+            return False
+        return self.transient is None or name not in self.layer_of
+
     def mark_written(self, name: str) -> None:
         """Every element of ``name`` on this rank was written; the last tensor of an open transient layer
         rebuilds the layer."""

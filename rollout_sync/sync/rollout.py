@@ -32,6 +32,8 @@ class RolloutLink:
         self.version: int | None = None
         self.incomplete = False
         self.last_error: str | None = None
+        self.updates_seen: int | None = None  # the owner's count of finished weight updates when the last
+        # sync began (``vllm_plugin.link``: another update in between makes the next sync a full one)
         half = endpoint.half
         self.target_names: tuple[str, ...] = tuple(
             sorted({half.tensors[s.tensor].name for s in (*half.receives, *half.local)})
@@ -80,6 +82,11 @@ class RolloutLink:
     @property
     def rank(self) -> int:
         return self.endpoint.rank
+
+    def forget_base(self) -> None:
+        """The targets were written by something other than a sync, or do not outlive one: the next sync
+        is a full one (a delta sync applies only on the values the last sync left)."""
+        self.endpoint.executor.forget_base()
 
     def receive(self, targets: Mapping[str, torch.Tensor], stream: TargetStream | None = None) -> SyncResult:
         """Receive this worker's half into ``targets`` (storage views by logical name; meta tensors for

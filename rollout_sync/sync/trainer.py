@@ -72,12 +72,15 @@ class TrainerSync:
         backend: str = "gloo",
         state: str = "param",
         shared_memory: bool = True,
+        delta: bool = False,
     ) -> TrainerSync:
         """Join the sync group with a live DeepSpeed engine. ``engines``: how many vLLM engines take part;
         ``every``: sync after every N-th applied optimizer step (``None``: only explicit ``sync()`` calls);
         ``state``: which trainer state to send (``param`` for the low-precision weights, ``fp32`` for the
         master weights); ``shared_memory``: ranks on one host in other processes move bytes through shared
-        memory instead of gloo (CPU; decided by trainer rank 0 for the whole group)."""
+        memory instead of gloo (CPU; decided by trainer rank 0 for the whole group); ``delta``: after a sync
+        every rank committed, send only the elements that changed (``transport.delta``; each trainer rank
+        keeps a copy of what it sent, ``SyncStats.delta_state_bytes``; decided by trainer rank 0)."""
         import torch.distributed as dist
 
         from ..trainer.storage import watched_storage
@@ -100,6 +103,7 @@ class TrainerSync:
             backend=backend,
             engine=engine,
             shared_memory=shared_memory,
+            delta=delta,
         )
 
         def rebuild() -> tuple[list[TensorMap], dict[str, Any], Any]:
@@ -131,6 +135,7 @@ class TrainerSync:
         backend: str = "gloo",
         engine: Any = None,
         shared_memory: bool = True,
+        delta: bool = False,
     ) -> TrainerSync:
         """Join the sync group as trainer rank ``rank`` of ``world_size``, with maps of every trainer rank
         (the same on every rank) and this rank's storage views. Trainer rank 0 also runs the coordinator."""
@@ -153,6 +158,7 @@ class TrainerSync:
                         backend=backend,
                         timeout=timeout,
                         shared_memory=shared_memory,
+                        delta=delta,
                     )
                 except BaseException as exc:
                     coordinated["error"] = exc

@@ -37,6 +37,7 @@ def attach(
     timeout: float = 120.0,
     staging_cap_bytes: int | None = None,
     shared_memory: bool = True,
+    delta: bool = False,
 ) -> int:
     """Attach rollout-sync to the engine (joins the handshake); returns this rank's global rank."""
     from ..sync.trainer import TrainerSync
@@ -52,6 +53,7 @@ def attach(
         timeout=timeout,
         staging_cap_bytes=staging_cap_bytes or DEFAULT_STAGING_CAP_BYTES,
         shared_memory=shared_memory,
+        delta=delta,
     )
     ctx.state["sync"] = sync
     return sync.endpoint.rank
