@@ -12,7 +12,9 @@ without claiming the version, and a restarted trainer repairs it; a server kille
 trainer rank raise in time naming that engine, a handshake refused for mismatching shapes (a trainer with a
 larger vocabulary) names every mismatching tensor and leaves each server's next calls their own answers and a
 second handshake and sync bit for bit, and a restarted server rejoins through a new handshake
-without a trainer restart (same layout: the cached plan is reused). The servers are shared by the module
+without a trainer restart (same layout: the cached plan is reused). The trainer attaches with delta syncs:
+the first sync after every handshake (a restarted trainer, a restarted server) is full, the next ones apply
+on it, and both leave the servers bit for bit equal to the trainer. The servers are shared by the module
 (start-up dominates: 40-140 s each here)."""
 
 from __future__ import annotations
@@ -45,11 +47,12 @@ BOUND = 50.0  # no failure may take longer than this to surface
 
 
 def reattach(ctx: RankContext, address: str, engines: int, timeout: float) -> int:
-    """Drop the current sync (if any) and attach again through a new handshake (trainer not restarted)."""
+    """Drop the current sync (if any) and attach again through a new handshake (trainer not restarted), with
+    delta syncs on: the failure tests below also show that every new handshake starts with a full sync."""
     old = ctx.state.pop("sync", None)
     if old is not None:
         old.detach()
-    return attach(ctx, address, TOKEN, engines, 1, "balanced", timeout)
+    return attach(ctx, address, TOKEN, engines, 1, "balanced", timeout, delta=True)
 
 
 def plan_reused(ctx: RankContext) -> bool | None:
@@ -121,6 +124,13 @@ def digests(engine: ServerEngine) -> list[dict[str, str]]:
     return engine.call("param_digests")
 
 
+def bases(trainer_side: list[dict[str, Any]], reports: list[list[dict[str, Any]]]) -> set[Any]:
+    """The base versions every rank of one sync applied on (None: a full sync)."""
+    return {t["sync"]["stats"]["delta_base"] for t in trainer_side} | {
+        w["stats"]["delta_base"] for r in reports for w in r
+    }
+
+
 @pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from rollout_sync.testing.tiny_models import make_tiny_model
@@ -167,6 +177,7 @@ def test_two_served_engines_at_tp_2_synced_in_one_step_equal_a_fresh_server_load
     reports = [r.result(SYNC_TIMEOUT * 3) for r in receives]
     trainer_side = pending.result(SYNC_TIMEOUT * 3)
     version = trainer_side[0]["sync"]["version"]
+    assert bases(trainer_side, reports) == {None}  # the first sync after a handshake is full
     assert [t["sync"]["version"] for t in trainer_side] == [version] * TRAINERS
     assert [[w["version"] for w in r] for r in reports] == [[version] * 2] * 2
     assert [e.weight_version() for e in engines] == [str(version)] * 2
@@ -272,7 +283,9 @@ def test_a_trainer_rank_killed_mid_sync_fails_every_worker_in_time_and_a_restart
     handshake(trainer, engines)
     pending, receives = step_and_receive(trainer, engines)
     reports = [r.result(SYNC_TIMEOUT * 3) for r in receives]
-    version = pending.result(SYNC_TIMEOUT * 3)[0]["sync"]["version"]
+    trainer_side = pending.result(SYNC_TIMEOUT * 3)
+    version = trainer_side[0]["sync"]["version"]
+    assert bases(trainer_side, reports) == {None}  # a new trainer, a new handshake: a full sync
     assert all(not w["incomplete"] and w["version"] == version for r in reports for w in r), reports
     assert [e.weight_version() for e in engines] == [str(version)] * 2
     checkpoint = tmp_path / "repaired"
@@ -325,11 +338,33 @@ def test_a_restarted_server_rejoins_through_a_new_handshake_without_a_trainer_re
     assert trainer.live().call(plan_reused)[0] is True
     pending, receives = step_and_receive(trainer, engines)
     reports = [r.result(SYNC_TIMEOUT * 3) for r in receives]
-    version = pending.result(SYNC_TIMEOUT * 3)[0]["sync"]["version"]
+    trainer_side = pending.result(SYNC_TIMEOUT * 3)
+    version = trainer_side[0]["sync"]["version"]
+    assert bases(trainer_side, reports) == {None}  # a restarted server, a new handshake: a full sync
     assert all(not w["incomplete"] and w["version"] == version for r in reports for w in r), reports
     assert [e.weight_version() for e in engines] == [str(version)] * 2
     assert digests(engines[0]) == digests(engines[1])  # the same layout, both the trainer's weights
     print(f"\nrestarted server rejoined (new handshake and group, cached plan) in {rejoined_in:.1f} s")
+
+
+def test_after_a_full_sync_the_next_syncs_apply_on_it_and_leave_both_servers_exact(
+    servers: list[Server], trainer: Trainer, model: Path, tmp_path: Path
+) -> None:
+    engines = [s.engine for s in servers]
+    last = int(engines[0].weight_version())  # the previous test's full sync
+    for _ in range(2):
+        pending, receives = step_and_receive(trainer, engines)
+        reports = [r.result(SYNC_TIMEOUT * 3) for r in receives]
+        trainer_side = pending.result(SYNC_TIMEOUT * 3)
+        version = trainer_side[0]["sync"]["version"]
+        assert bases(trainer_side, reports) == {last}, (trainer_side, reports)
+        assert all(not w["incomplete"] and w["version"] == version for r in reports for w in r), reports
+        last = version
+    checkpoint = tmp_path / "delta"
+    trainer.live().call(save_checkpoint, str(checkpoint), str(model))
+    synced = [digests(e) for e in engines]
+    apply_checkpoint(engines, str(checkpoint))
+    assert [digests(e) for e in engines] == synced, "a delta sync left a server off the trainer's weights"
 
 
 def test_vllms_weight_transfer_routes_drive_a_sync_and_report_its_weight_version(
