@@ -189,6 +189,36 @@ def perturb(ctx: RankContext) -> None:
                 t.data.neg_()
 
 
+def change(ctx: RankContext, fraction: float, seed: int) -> int:
+    """A synthetic optimizer step on ``fraction`` of the weights this rank stores, at random positions: each
+    chosen bf16 element becomes ``w·(1 + ε)``, ε ~ N(0, 0.01²), rounded to bf16, or moves by one unit in the
+    last place where that rounding gives ``w`` back, so every chosen element changes, by a step of the size
+    an optimizer takes. Replicas (ZeRO-0/1/2: every rank holds every parameter) change alike (the positions
+    and steps come from the parameter's name and ``seed``). Returns the elements changed on this rank."""
+    import zlib
+
+    import torch
+
+    engine = _engine(ctx)
+    changed = 0
+    with torch.no_grad():
+        for name, p in engine.module.named_parameters():
+            data = p.ds_tensor if hasattr(p, "ds_tensor") else p.data
+            flat = data.view(-1)
+            key = zlib.crc32(name.encode()) + 7919 * seed + (ctx.rank if hasattr(p, "ds_tensor") else 0)
+            g = torch.Generator().manual_seed(key)
+            n = round(fraction * flat.numel())
+            at = torch.randperm(flat.numel(), generator=g)[:n]
+            old = flat[at]
+            new = (old.float() * (1 + 0.01 * torch.randn(n, generator=g))).to(flat.dtype)
+            bits, old_bits = new.view(torch.int16), old.view(torch.int16)
+            same = bits == old_bits
+            bits[same] = old_bits[same] + 1
+            flat[at] = new
+            changed += n
+    return changed
+
+
 def ours_sync(ctx: RankContext, version: int) -> dict[str, Any]:
     memory = PeakMemory().start()
     result = ctx.state["sync"].sync(version)
@@ -201,6 +231,10 @@ def ours_sync(ctx: RankContext, version: int) -> dict[str, Any]:
         "bytes_sent": sum(int(v) for v in stats["bytes_sent"].values()),
         "peak_staging_bytes": stats["peak_staging_bytes"],
         "memory_method": memory.method,
+        "delta_base": stats["delta_base"],
+        "elements_compared": stats["elements_compared"],
+        "elements_changed": stats["elements_changed"],
+        "delta_state_bytes": stats["delta_state_bytes"],
     }
 
 
@@ -450,11 +484,20 @@ def run_row(
             pool.call(setup, spec, str(model))
             _log(f"{trainer}: DeepSpeed engine built in {time.perf_counter() - start:.1f} s")
 
-            def handshake(shared_memory: bool) -> float:
+            def handshake(shared_memory: bool, delta: bool = False) -> float:
                 address = f"tcp://127.0.0.1:{free_port()}"
                 start = time.perf_counter()
                 pending = pool.submit(
-                    attach, address, TOKEN, 1, None, "balanced", timeout, staging_cap_bytes, shared_memory
+                    attach,
+                    address,
+                    TOKEN,
+                    1,
+                    None,
+                    "balanced",
+                    timeout,
+                    staging_cap_bytes,
+                    shared_memory,
+                    delta,
                 )
                 llm.collective_rpc(
                     "rollout_sync_connect",
@@ -498,6 +541,10 @@ def run_row(
             )
             same_host_equal, _ = _check_bitwise(pool, llm, workdir / f"check-{trainer}-same-host", model)
             _log(f"{trainer} ours same host: bitwise equal {same_host_equal}")
+
+            pool.call(detach)
+            handshake(shared_memory=False, delta=True)
+            delta = _measure_delta(trainer, ours_once, warmup, syncs, llm, pool, workdir, model)
 
             port = free_port()
             world = 1 + TP
@@ -553,7 +600,74 @@ def run_row(
     )
     row["logits_equal"] = ours_logits == fresh_logits
     row["last_sync_changed_weights"] = {"ours": ours_changed, "baseline": base_changed}
+    row["full_s"] = row["ours_s"]
+    row.update(delta)
     return row
+
+
+DELTA_FRACTIONS = (0.01, 0.10, 0.50)
+
+
+def _measure_delta(
+    trainer: str,
+    one_sync: Any,
+    warmup: int,
+    syncs: int,
+    llm: Any,
+    pool: Any,
+    workdir: Path,
+    model: Path,
+) -> dict[str, Any]:
+    """Delta syncs (a handshake with ``delta=True``, over gloo like ``ours_s``): per changed fraction, a full
+    sync first (unmeasured: it fills the trainer ranks' shadows; the bitwise check before it wrote the
+    weights by other means), then ``warmup`` + ``syncs`` syncs after a synthetic step (``change``) of that
+    fraction, each applying on the last; median seconds, the trainer ranks' bytes per sync (heads included),
+    and the bitwise check after the fraction's last sync."""
+    rows = []
+    state = 0
+    step = 0
+    for fraction in DELTA_FRACTIONS:
+        pool.call(perturb)
+        first = one_sync(step)[0]
+        step += 1
+        if any(r["delta_base"] is not None for r in first):
+            raise RuntimeError(f"{trainer}: the sync after a checkpoint write applied on a base: {first}")
+        seconds, moved, compared, changed = [], [], [], []
+        for i in range(warmup + syncs):
+            pool.call(change, fraction, step)
+            start = time.perf_counter()
+            t, _ = one_sync(step)
+            llm.reset_prefix_cache()
+            took = time.perf_counter() - start
+            step += 1
+            if any(r["delta_base"] is None for r in t):
+                raise RuntimeError(f"{trainer}: a sync after a committed one was not a delta: {t}")
+            state = max(state, *(int(r["delta_state_bytes"]) for r in t))
+            _log(
+                f"{trainer} delta {fraction:.0%} sync {i + 1}/{warmup + syncs}: {took:.3f} s, "
+                f"{sum(r['bytes_sent'] for r in t) / 1e6:.2f} MB, changed "
+                f"{sum(r['elements_changed'] for r in t)}/{sum(r['elements_compared'] for r in t)}"
+                + (" (warm-up)" if i < warmup else "")
+            )
+            if i >= warmup:
+                seconds.append(took)
+                moved.append(sum(int(r["bytes_sent"]) for r in t))
+                compared.append(sum(int(r["elements_compared"]) for r in t))
+                changed.append(sum(int(r["elements_changed"]) for r in t))
+        equal, _ = _check_bitwise(pool, llm, workdir / f"check-{trainer}-delta", model)
+        _log(
+            f"{trainer} delta {fraction:.0%}: median {statistics.median(seconds):.3f} s, bitwise equal {equal}, "
+            f"measured changed fraction {sum(changed) / max(sum(compared), 1):.4f}"
+        )
+        rows.append(
+            {
+                "changed_fraction": fraction,
+                "ours_delta_s": round(statistics.median(seconds), 4),
+                "delta_bytes_moved": max(moved),
+                "bitwise_equal": bool(equal),
+            }
+        )
+    return {"delta_rows": rows, "delta_state_bytes": state}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -611,6 +725,15 @@ def main(argv: list[str] | None = None) -> int:
             f"{r['ours_rollout_extra_bytes'] / 1e6:11.1f} {r['baseline_rollout_extra_bytes'] / 1e6:11.1f} "
             f"{r['bitwise_equal']!s:>8} {r['packed_layers']:7d} {r['logits_equal']!s:>7}"
         )
+    for r in rows:
+        for d in r["delta_rows"]:
+            print(
+                f"{r['trainer']:8} delta {d['changed_fraction']:4.0%}: {d['ours_delta_s']:.3f} s against full "
+                f"{r['full_s']:.3f} s ({d['ours_delta_s'] / r['full_s']:.2f}x), "
+                f"{d['delta_bytes_moved'] / 1e6:.1f} MB against {r['ours_bytes_moved'] / 1e6:.1f} MB "
+                f"({d['delta_bytes_moved'] / r['ours_bytes_moved']:.4f}), bitwise {d['bitwise_equal']}"
+            )
+        print(f"{r['trainer']:8} delta state (largest trainer rank): {r['delta_state_bytes'] / 1e6:.1f} MB")
     for r in rows:
         print(
             f"{r['trainer']:8} same host {r['ours_same_host_s']:.3f} s against gloo {r['ours_s']:.3f} s "

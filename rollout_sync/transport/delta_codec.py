@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 __all__ = [
@@ -93,14 +94,46 @@ class _Layout:
         return self.raw_at + self.raw_count * self.itemsize
 
 
+SAMPLE_EVERY = 16
+"""``changed_positions`` first compares every 16th word: a message far past the limit is sent whole without
+a full comparison (its count of changed elements is then estimated from that sample, of at least 1,024
+words)."""
+
+
 def changed_positions(new: torch.Tensor, old: torch.Tensor, limit: int) -> tuple[int, torch.Tensor | None]:
     """How many bit patterns of ``new`` and ``old`` (1-D, the same integer dtype) differ, and their sorted
-    positions (int64), or None when more than ``limit`` differ (the caller sends the whole message then)."""
-    differs = new != old
-    count = int(differs.sum())
-    if count > limit:
-        return count, None
-    return count, differs.nonzero().squeeze(1)
+    positions (int64); or, when more than ``limit`` differ (the caller sends the whole message then), their
+    count and None. The count is exact, except for a message whose sample (every ``SAMPLE_EVERY``-th word)
+    already shows more than twice the limit: then it is the sample's count scaled up.
+
+    Compared 8 bytes at a time (the elements of a word at once), then element by element within the words
+    that differ. On CPU through NumPy: its comparison and ``flatnonzero`` take 6.7 ms for a 16 MiB message
+    here, torch's 12 ms."""
+    itemsize = new.element_size()
+    lanes = 8 // itemsize
+    head = new.numel() // lanes * lanes
+    aligned = all(t.storage_offset() * itemsize % 8 == 0 for t in (new, old))
+    if lanes == 1 or head == 0 or not aligned or new.device.type != "cpu":
+        differs = new != old
+        count = int(torch.count_nonzero(differs))
+        return (count, None) if count > limit else (count, differs.nonzero().squeeze(1))
+    kind = new.numpy().dtype
+    words_new, words_old = new[:head].numpy().view(np.int64), old[:head].numpy().view(np.int64)
+    tail = np.flatnonzero(new[head:].numpy() != old[head:].numpy()) + head
+    sample_new, sample_old = words_new[::SAMPLE_EVERY], words_old[::SAMPLE_EVERY]
+    if sample_new.size >= 1024 and np.count_nonzero(sample_new != sample_old) * SAMPLE_EVERY > 2 * limit:
+        sampled = int(np.count_nonzero(sample_new.view(kind) != sample_old.view(kind)))
+        return sampled * SAMPLE_EVERY + int(tail.size), None
+    at = np.flatnonzero(words_new != words_old)
+    lane_differs = np.take(words_new, at).view(kind).reshape(-1, lanes) != np.take(words_old, at).view(
+        kind
+    ).reshape(-1, lanes)
+    if at.size + tail.size > limit:  # at least that many elements differ
+        return int(np.count_nonzero(lane_differs)) + int(tail.size), None
+    row, lane = np.nonzero(lane_differs)
+    positions = np.concatenate([np.take(at, row) * lanes + lane, tail])
+    count = positions.size
+    return (count, None) if count > limit else (count, torch.from_numpy(positions))
 
 
 def max_encoded_bytes(n: int, itemsize: int) -> int:
@@ -109,22 +142,30 @@ def max_encoded_bytes(n: int, itemsize: int) -> int:
 
 
 def _wrap(d: torch.Tensor, itemsize: int) -> torch.Tensor:
-    """``d`` (int64) reduced to the signed range of ``itemsize`` bytes (two's complement arithmetic)."""
+    """``d`` (int64) reduced to the signed range of ``itemsize`` (at most 4) bytes, two's complement."""
     half = 1 << (8 * itemsize - 1)
-    return torch.remainder(d + half, 2 * half) - half
+    return ((d + half) & (2 * half - 1)) - half
 
 
-def encode(new: torch.Tensor, old: torch.Tensor, positions: torch.Tensor, out: torch.Tensor) -> int:
+def encode(
+    new: torch.Tensor,
+    old: torch.Tensor,
+    positions: torch.Tensor,
+    out: torch.Tensor,
+    values: torch.Tensor | None = None,
+) -> int:
     """Write the changes at ``positions`` (from ``changed_positions``) of ``new`` against ``old`` (bit
-    patterns) into ``out`` (uint8, at least ``encoded_bytes`` long); returns the payload's bytes."""
+    patterns) into ``out`` (uint8, at least ``max_encoded_bytes`` long; it may be ``new``'s own memory);
+    returns the payload's bytes. ``values``: ``new`` at ``positions``, if the caller has them."""
     itemsize = new.element_size()
     n = positions.numel()
     gaps = torch.diff(positions, prepend=positions.new_full((1,), -1)) - 1
     gap_escaped = gaps >= _GAP_ESCAPE
     gap_escapes = gaps[gap_escaped].to(torch.int32)
-    values = new[positions]
+    if values is None:
+        values = new.index_select(0, positions)
     if _diff_coded(itemsize):
-        d = _wrap(values.to(torch.int64) - old[positions].to(torch.int64), itemsize)
+        d = _wrap(values.to(torch.int64) - old.index_select(0, positions).to(torch.int64), itemsize)
         escaped = (d < -127) | (d > 127)
         small = torch.where(escaped, _VALUE_ESCAPE, d).to(torch.int8)
         raw = values[escaped]

@@ -187,3 +187,19 @@ def _check_locate(half, targets, size: int) -> None:
                 name = landing.names[i]
                 got = storages[name].view(-1).view(bits_dtype(itemsize))[offset]
                 assert int(got) == position + 1
+
+
+def test_a_message_far_past_the_limit_is_counted_from_a_sample() -> None:
+    g = torch.Generator().manual_seed(5)
+    n = 1 << 20
+    old = torch.randint(-1000, 1000, (n,), generator=g).to(torch.int16)
+    new = old.clone()
+    at = torch.randperm(n, generator=g)[: n // 2]
+    new[at] += 1
+    count, positions = changed_positions(new, old, n // 8)
+    assert positions is None
+    assert abs(count - n // 2) < 0.02 * n  # every 16th word sampled: 65,536 words, 262,144 elements
+    # just past the limit: compared in full, counted exactly
+    new = old.clone()
+    new[torch.randperm(n, generator=g)[: n // 8 + 1]] += 1
+    assert changed_positions(new, old, n // 8) == (n // 8 + 1, None)
