@@ -120,10 +120,14 @@ def changed_positions(new: torch.Tensor, old: torch.Tensor, limit: int) -> tuple
     kind = new.numpy().dtype
     words_new, words_old = new[:head].numpy().view(np.int64), old[:head].numpy().view(np.int64)
     tail = np.flatnonzero(new[head:].numpy() != old[head:].numpy()) + head
-    sample_new, sample_old = words_new[::SAMPLE_EVERY], words_old[::SAMPLE_EVERY]
-    if sample_new.size >= 1024 and np.count_nonzero(sample_new != sample_old) * SAMPLE_EVERY > 2 * limit:
-        sampled = int(np.count_nonzero(sample_new.view(kind) != sample_old.view(kind)))
-        return sampled * SAMPLE_EVERY + int(tail.size), None
+    rows = head // (lanes * SAMPLE_EVERY)
+    if rows >= 1024:  # the first word of every SAMPLE_EVERY, element by element
+        shape = (rows, lanes * SAMPLE_EVERY)
+        sample_new = new[: rows * shape[1]].numpy().reshape(shape)[:, :lanes]
+        sample_old = old[: rows * shape[1]].numpy().reshape(shape)[:, :lanes]
+        sampled = int(np.count_nonzero(sample_new != sample_old)) * SAMPLE_EVERY
+        if sampled > 2 * limit:
+            return sampled, None
     at = np.flatnonzero(words_new != words_old)
     lane_differs = np.take(words_new, at).view(kind).reshape(-1, lanes) != np.take(words_old, at).view(
         kind
