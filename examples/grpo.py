@@ -4,6 +4,7 @@
     python examples/grpo.py --zero 2 --verify         # ZeRO-2: two replicas, balanced sends
     python examples/grpo.py --autotp 2 --verify       # AutoTP-2 (DeepSpeed tensor parallel)
     python examples/grpo.py --autoep 2 --verify       # AutoEP-2 on a tiny Qwen3-MoE
+    python examples/grpo.py --delta --lr 1e-5 --steps 20  # delta syncs: only the changed weights move
 
 One program on one machine, no download: it makes a tiny Qwen3 checkpoint locally, starts a vLLM engine
 from it (this process drives it), and starts the DeepSpeed job on two trainer ranks (child processes).
@@ -12,6 +13,11 @@ completion tokens in the lower half of the vocabulary), DeepSpeed takes a policy
 group-normalised advantages, and the trainer hook syncs the new weights straight from DeepSpeed's storage
 into vLLM's parameters. With ``--verify``, after each sync the trainer's weights (gathered by DeepSpeed
 itself) are written into vLLM through vLLM's own loader maps, and the example says whether any bit changed.
+
+With ``--delta`` every sync after the first sends only the elements that changed since the last one. Each
+step then reports the share of the trainer's bf16 weights the step changed (counted on the trainer's own
+storage, bit for bit) and the bytes the sync moved. A ``--verify`` check writes the weights through vLLM's
+loader, which makes the next sync a full one, so with ``--delta`` it runs once, after the last step.
 
 In a real job the trainer runs under the ``deepspeed`` launcher and attaches with three lines::
 
@@ -61,13 +67,42 @@ def grpo_step(ctx: Any, batch: list[tuple[list[int], list[int], float]]) -> dict
     loss = -(advantages * per_seq).mean()
     sync = ctx.state["sync"]
     before = len(sync.history)
+    stored = [p.ds_tensor if hasattr(p, "ds_tensor") else p.data for p in engine.module.parameters()]
+    old = [t.clone() for t in stored] if ctx.state.get("count_changes") else []
     engine.backward(loss)
     engine.step()
     out: dict[str, Any] = {"loss": float(loss.detach())}
+    if old:  # the weights this rank stores that the step changed, bit for bit
+        out["elements"] = sum(t.numel() for t in stored)
+        out["changed"] = sum(
+            int(torch.count_nonzero(a.view(-1).view(torch.int16) != b.view(-1).view(torch.int16)))
+            if a.element_size() == 2
+            else int(torch.count_nonzero(a != b))
+            for a, b in zip(old, stored, strict=True)
+        )
     if len(sync.history) > before:
         last = sync.history[-1]
         out["sync"] = {"version": last.version, "seconds": last.seconds, "stats": last.stats.to_dict()}
     return out
+
+
+def count_changes(ctx: Any) -> None:
+    """From now on each ``grpo_step`` counts the stored weights its optimizer step changed."""
+    ctx.state["count_changes"] = True
+
+
+def delta_figures(results: list[dict[str, Any]], zero: int, autotp: int, autoep: int) -> dict[str, Any]:
+    """One step's changed share of the trainer's weights (every rank's own storage; under ZeRO-0/1/2 without
+    AutoTP/AutoEP every rank holds all of them, so rank 0 alone), and what the sync applied on."""
+    ranks = results if zero == 3 or autotp > 1 or autoep > 1 else results[:1]
+    stats = [r["sync"]["stats"] for r in results]
+    compared = sum(s["elements_compared"] for s in stats)
+    return {
+        "delta_base": stats[0]["delta_base"],
+        "changed_fraction": sum(r["changed"] for r in ranks) / max(sum(r["elements"] for r in ranks), 1),
+        "sync_changed_fraction": sum(s["elements_changed"] for s in stats) / compared if compared else None,
+        "bytes_sent": sum(sum(s["bytes_sent"].values()) for s in stats),
+    }
 
 
 def save_weights(ctx: Any, out: str, model_dir: str) -> None:
@@ -99,6 +134,11 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         "--verify",
         action="store_true",
         help="check after each sync that vLLM holds exactly the trainer's weights",
+    )
+    ap.add_argument(
+        "--delta",
+        action="store_true",
+        help="after the first sync, send only the weights that changed (reports the changed share per step)",
     )
     ap.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "rollout-sync-grpo"))
     ap.add_argument("--json", action="store_true", help="print a JSON summary as the last line")
@@ -183,11 +223,13 @@ def main(argv: list[str] | None = None) -> int:
             llm.collective_rpc("rollout_sync_record_loaded", args=(True,))
         address = f"tcp://127.0.0.1:{free_port()}"
         started = time.perf_counter()
-        pending = pool.submit(attach, address, token, 1, 1, "balanced", 120.0)
+        pending = pool.submit(attach, address, token, 1, 1, "balanced", 120.0, None, True, args.delta)
         connect_engine(llm, address, 0, token=token)
         pending.result(240)
         print(f"[grpo] handshake, plan and sync group in {time.perf_counter() - started:.2f} s", flush=True)
 
+        if args.delta:
+            pool.call(count_changes)
         gen = __import__("random").Random(0)
         bar = tqdm(range(1, args.steps + 1), desc="grpo", unit="step", file=sys.stdout)
         for step in bar:
@@ -219,7 +261,9 @@ def main(argv: list[str] | None = None) -> int:
                 "rollout_versions": sorted({w["version"] for w in workers}),
                 "vllm_weight_version": llm.get_weight_version(),
             }
-            if args.verify:
+            if args.delta:
+                row.update(delta_figures(results, args.zero, args.autotp, args.autoep))
+            if args.verify and (not args.delta or step == args.steps):
                 ckpt = work / "verify" / f"step{step}"
                 pool.call(save_weights, str(ckpt), str(model))
                 before = weight_digests(llm)
@@ -234,8 +278,14 @@ def main(argv: list[str] | None = None) -> int:
                 f"(vLLM weight_version {row['vllm_weight_version']}) "
                 f"{row['sync_s'] * 1000:.0f} ms, {moved / 1e6:.2f} MB moved"
                 + (
+                    f" ({'delta on v' + str(row['delta_base']) if row['delta_base'] is not None else 'full'}; "
+                    f"the step changed {row['changed_fraction']:.2%} of the weights)"
+                    if args.delta
+                    else ""
+                )
+                + (
                     f"  vLLM == trainer, bit for bit: {'yes' if row['verified'] else f'NO ({changed} parameters differ)'}"
-                    if args.verify
+                    if "verified" in row
                     else ""
                 )
             )
@@ -246,6 +296,18 @@ def main(argv: list[str] | None = None) -> int:
         for r in summary["steps"]
     )
     summary["ok"] = ok
+    summary["bytes_moved_per_sync"] = [r["bytes_moved"] for r in summary["steps"]]
+    if args.delta:
+        summary["changed_fraction_per_step"] = [round(r["changed_fraction"], 6) for r in summary["steps"]]
+        rest = summary["steps"][1:]
+        if rest:
+            print(
+                f"[grpo] delta syncs: the steps changed {min(r['changed_fraction'] for r in rest):.2%}-"
+                f"{max(r['changed_fraction'] for r in rest):.2%} of the weights; bytes moved per sync "
+                f"{min(r['bytes_moved'] for r in rest) / 1e6:.2f}-{max(r['bytes_moved'] for r in rest) / 1e6:.2f} "
+                f"MB against {summary['steps'][0]['bytes_moved'] / 1e6:.2f} MB for the first (full) sync",
+                flush=True,
+            )
     print(
         f"[grpo] {'all syncs verified bit for bit' if args.verify and ok else 'done' if ok else 'FAILED: see above'}",
         flush=True,
