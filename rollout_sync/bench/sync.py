@@ -23,6 +23,11 @@ sync moves new values.
 - ``ours_same_host``: the same after a second handshake with the same-host transport (the default:
   trainer ranks and workers share this host, so bytes are pulled from the sender's memory or staged in
   shared memory, ``transport.shared_memory``); its own bitwise check (``same_host_bitwise_equal``).
+- ``delta``: a third handshake with ``delta=True`` (over gloo, like ``ours``). Per changed fraction (1%, 10%,
+  50%): one full sync (unmeasured: it fills the trainer ranks' shadows), then ``--warmup`` + ``--syncs``
+  delta syncs, each after a synthetic optimizer step on that fraction of the trainer's stored weights at
+  random positions (``change``: ``w·(1 + ε)``, ε ~ N(0, 0.01²), in bf16, every chosen element changed),
+  then the bitwise check. ``full_s`` is ``ours_s`` (the full sync over gloo in the same run).
 - ``baseline`` (OpenRLHF style): a gloo group of trainer rank 0 and every vLLM worker; per parameter,
   ``GatheredParameters`` on every trainer rank, rank 0 broadcasts the full tensor, each worker receives it
   into a fresh buffer and calls ``model.load_weights``; at the end derived copies are rebuilt as ours does,
@@ -46,7 +51,9 @@ Last line with ``--json``: ``{"rows": [{"trainer", "ours_s", "baseline_s", "ours
 "ours_bytes_moved", "baseline_bytes_moved", "bitwise_equal", "packed_layers", "logits_equal",
 "staging_cap_bytes", "ours_staging_bytes", "largest_layer_loaded_bytes", "ours_same_host_s",
 "ours_same_host_trainer_extra_bytes", "ours_same_host_rollout_extra_bytes", "ours_same_host_staging_bytes",
-"same_host_bitwise_equal", ...}]}``. Ours' extra-memory figures include the staging each rank holds across
+"same_host_bitwise_equal", "delta_rows": [{"changed_fraction", "ours_delta_s", "delta_bytes_moved",
+"bitwise_equal"}], "delta_state_bytes", "full_s", ...}]}`` (``delta_bytes_moved``: what the trainer ranks
+sent in one delta sync, heads included; ``delta_state_bytes``: the largest trainer rank's shadow). Ours' extra-memory figures include the staging each rank holds across
 syncs (``ours_staging_bytes``: the largest, on either side), not only what a measured sync newly touched.
 
 Measured (2026-11-30, 2 cores, load 3-6, 1 warm-up and 3 measured syncs per method): zero3 ours 0.533 s
