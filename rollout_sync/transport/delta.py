@@ -27,6 +27,11 @@ cannot: a layer's loaded form does not outlive its sync). A delta sync runs only
 same base under the layout agreed now (``agreement.delta_base``); anything else (a first sync, a failed or
 refused one, a new executor after a re-handshake, a restarted engine, another plan) is a full sync, which
 refills the shadow. Each rank forgets its base when a sync starts and gets it back only from ``committed``.
+
+**Falling back.** A sender also keeps a sample of what it sent (every ``SAMPLE_STRIDE``-th element of each
+source storage, in the wire dtype). Before the agreement it compares the sample with its sources; when more
+than ``FALLBACK_SHARE`` changed it names no base, so the sync is full, and it does not refill its shadow
+(the next sync is then full too, and refills it if its sample says that one is worth a delta).
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..planning.plan import PlanHalf
 from .delta_codec import (
     bits_dtype,
     changed_positions,
@@ -47,19 +53,23 @@ from .delta_codec import (
     max_encoded_bytes,
 )
 from .p2p import Op, Pending, Transport
-from .program import PartProgram, Program, pack, unpack
-from .schedule import Message
+from .program import PartProgram, Program, pack, torch_dtype, unpack
+from .schedule import Message, wire_dtype
 from .targets import Targets
 
 __all__ = [
+    "FALLBACK_SHARE",
     "MAX_CHANGED_SHARE",
+    "SAMPLE_STRIDE",
     "DeltaCounts",
     "DeltaProgram",
     "Landing",
     "Shadow",
+    "changed_share",
     "layout_key",
     "message_itemsize",
     "run_delta",
+    "take_sample",
 ]
 
 MAX_CHANGED_SHARE = 32
@@ -67,6 +77,15 @@ MAX_CHANGED_SHARE = 32
 to about 85% changed (2.3 bytes per changed bf16 element against 2 per element), but coding and applying
 cost about 100-200 ns per changed element on this 2-core CPU (against about 1.5 ns per element for a whole
 message over loopback gloo): past a few percent a whole message is faster here."""
+
+FALLBACK_SHARE = 1 / MAX_CHANGED_SHARE
+"""The default of ``ExecuteOptions.delta_full_above``: a sender whose sample says more than this share of
+what it sends changed asks for a full sync. Nearly every message would travel whole, and a full sync moves
+those bytes with fewer copies (direct messages, no shadow to compare or update)."""
+
+SAMPLE_STRIDE = 1024
+"""The sample a sender keeps: every 1024th element of each source storage it sends from (denser in small
+ones)."""
 
 NONE, CODED, WHOLE = 0, 1, 2
 
@@ -190,6 +209,43 @@ class Shadow:
             for m, parts in entries:
                 if (m.peer, m.round) in delta.shadow_at:
                     pack(self.of(delta, m), parts, sources)
+
+
+def _sampled_names(half: PlanHalf) -> dict[str, torch.dtype]:
+    """The source storages this rank sends from, with the dtype each travels in."""
+    out = {}
+    for segment in half.sends:
+        t = half.tensors[segment.tensor]
+        out[t.name] = torch_dtype(wire_dtype(t.source_dtype, t.target_dtype))
+    return out
+
+
+def take_sample(half: PlanHalf, sources: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Every ``SAMPLE_STRIDE``-th element of each contiguous source storage this rank sends from, cast to the
+    dtype it travels in (a change is a change of what the receiver holds)."""
+    return {
+        name: sources[name].view(-1)[:: _stride(sources[name])].to(wire).clone()
+        for name, wire in _sampled_names(half).items()
+        if sources[name].is_contiguous()
+    }
+
+
+def _stride(storage: torch.Tensor) -> int:
+    """``SAMPLE_STRIDE``, denser for small storages (at least 64 samples where it has them)."""
+    return max(1, min(SAMPLE_STRIDE, storage.numel() // 64))
+
+
+def changed_share(
+    sample: Mapping[str, torch.Tensor], half: PlanHalf, sources: Mapping[str, torch.Tensor]
+) -> float:
+    """The share of the sampled elements whose bits differ from ``sample`` (taken at the last sync)."""
+    changed = total = 0
+    for name, old in sample.items():
+        new = sources[name].view(-1)[:: _stride(sources[name])].to(old.dtype)
+        bits = bits_dtype(old.element_size())
+        changed += int(torch.count_nonzero(new.view(bits) != old.view(bits)))
+        total += old.numel()
+    return changed / total if total else 0.0
 
 
 @dataclass

@@ -51,7 +51,15 @@ import torch
 
 from ..planning.plan import PlanHalf
 from . import agreement, cross_memory
-from .delta import DeltaCounts, DeltaProgram, Shadow, layout_key, run_delta
+from .delta import (
+    DeltaCounts,
+    DeltaProgram,
+    Shadow,
+    changed_share,
+    layout_key,
+    run_delta,
+    take_sample,
+)
 from .fingerprint import pair_sums, table_hash
 from .groups import group_backend, group_rank, group_size
 from .handoff import copy_handoff, copy_segments
@@ -128,6 +136,9 @@ class Executor:
         self._base: tuple[int, bytes] | None = None
         self._in_flight: bytes | None = None
         self._shadow: Shadow | None = None
+        self._shadow_valid = False  # it holds what this rank sent in the last sync
+        self._sample: dict[str, torch.Tensor] | None = None
+        self._share: float | None = None  # this sync's estimate of the changed share (a sender with a sample)
         self._delta: DeltaProgram | None = None
 
     @property
@@ -284,7 +295,7 @@ class Executor:
             reason = f"rank {self.rank}: {refusal}"
         if device is None:
             device = self._default_device()
-        base = self._offered_base(targets, stream)
+        base = self._offered_base(half, sources, targets, stream)
         self._base = self._in_flight = None  # only the commit of this sync gives a base back
         t = clock.add("check", t)
         offers, delta_base = self._agree(half, reason, wanted, device, base)
@@ -313,7 +324,11 @@ class Executor:
                 raise
             if self.options.delta:
                 t = time.perf_counter()
-                self._refill_shadow(half, offers, sources, device)
+                if self._share is None or self._share <= self.options.delta_full_above:
+                    self._refill_shadow(half, offers, sources, device)
+                else:  # most of it changed: the next sync is full too (and refills if it is worth it)
+                    self._shadow_valid = False
+                self._sample = take_sample(half, sources)
                 clock.add("shadow", t)
         clock.seconds["total"] = time.perf_counter() - t0
         return SyncStats(
@@ -330,6 +345,7 @@ class Executor:
             bytes_handed=dict(program.bytes_handed),
             bytes_pulled=pulled_bytes(self._pull_plan(program)),
             delta_state_bytes=self.delta_state_bytes,
+            estimated_changed_share=self._share,
         )
 
     # -- delta syncs (``delta``) ------------------------------------------------------------------------
@@ -349,18 +365,30 @@ class Executor:
         self._base = None
 
     def _offered_base(
-        self, targets: Mapping[str, torch.Tensor], stream: TargetStream | None
+        self,
+        half: PlanHalf,
+        sources: Mapping[str, torch.Tensor],
+        targets: Mapping[str, torch.Tensor],
+        stream: TargetStream | None,
     ) -> tuple[int, bytes] | None:
+        self._share = None
+        if self.options.delta and self._sample is not None and isinstance(half, PlanHalf):
+            try:
+                self._share = changed_share(self._sample, half, sources)
+            except Exception:  # a storage the check refuses: the agreement says why, not this estimate
+                self._share = None
         base = self._base
         if not self.options.delta or base is None:
             return None
+        if self._share is not None and self._share > self.options.delta_full_above:
+            return None  # most of what this rank sends changed: a full sync moves it faster
         if stream is not None and any(isinstance(t, torch.Tensor) and t.is_meta for t in targets.values()):
             return None  # a streamed target (a layer's loaded form) does not hold the base's values
         delta = self._delta
         if (
             delta is not None
             and delta.shadow_bytes
-            and (self._shadow is None or self._shadow.layout != base[1])
+            and (self._shadow is None or not self._shadow_valid or self._shadow.layout != base[1])
         ):
             return None
         return base
@@ -392,8 +420,10 @@ class Executor:
             self._shadow = None  # release before allocating the new one
             shadow = Shadow(delta, device)
         shadow.layout = delta.layout
+        self._shadow_valid = False
         shadow.refill(delta, sources)
         self._shadow = shadow
+        self._shadow_valid = True
 
     def _execute_delta(
         self,
@@ -433,7 +463,10 @@ class Executor:
                     taken.add(peer)
                     copy_handoff(transport, peer, handed, half, streamed)
                 t = clock.add("local", t)
+                self._shadow_valid = False  # updated in place as messages go: whole only at the end
                 counts: DeltaCounts = run_delta(delta, shadow, slot, sources, streamed, transport, clock.add)
+                self._shadow_valid = True
+                self._sample = take_sample(half, sources)
                 t = time.perf_counter()
                 transport.wait(offered)
                 clock.add("wait", t)
@@ -457,6 +490,7 @@ class Executor:
             elements_compared=counts.compared,
             elements_changed=counts.changed,
             delta_state_bytes=self.delta_state_bytes,
+            estimated_changed_share=self._share,
         )
 
     @staticmethod

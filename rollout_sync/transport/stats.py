@@ -29,12 +29,17 @@ class ExecuteOptions:
     """Delta syncs (``delta``): after a sync every rank has committed, the next one sends only the elements
     that changed. A sender keeps a copy of what it sent (its shadow: the bytes it sends per sync). A rank
     with it off names no base, so every sync is a full one."""
+    delta_full_above: float = 1 / 32
+    """A sender whose sample of what it sends shows more than this share changed asks for a full sync (nearly
+    every message would travel whole: the default is ``delta.FALLBACK_SHARE``). 1.0: never."""
 
     def __post_init__(self) -> None:
         if self.staging_cap_bytes <= 0:
             raise ValueError(f"staging_cap_bytes must be positive, not {self.staging_cap_bytes}")
         if not self.timeout > 0:
             raise ValueError(f"timeout must be positive, not {self.timeout}")
+        if not 0 <= self.delta_full_above <= 1:
+            raise ValueError(f"delta_full_above is a share in [0, 1], not {self.delta_full_above}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +70,9 @@ class SyncStats:
     """Of ``elements_compared``, those that had changed (bit for bit, in the dtype the receiver holds)."""
     delta_state_bytes: int = 0
     """The memory this rank keeps for delta syncs (a sender's shadow of what it last sent)."""
+    estimated_changed_share: float | None = None
+    """A sender with delta syncs on: the share of its sample that changed since the last sync (above
+    ``delta.FALLBACK_SHARE`` it asked for a full sync)."""
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -84,4 +92,5 @@ class SyncStats:
             "elements_compared": self.elements_compared,
             "elements_changed": self.elements_changed,
             "delta_state_bytes": self.delta_state_bytes,
+            "estimated_changed_share": self.estimated_changed_share,
         }

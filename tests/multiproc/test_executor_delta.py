@@ -1,8 +1,10 @@
 """Delta syncs over gloo on 2–4 CPU ranks (one process each), on random planner plans: the first sync is full,
 every later one sends only what changed and leaves every target bit for bit equal to its oracle, over 50
-consecutive delta syncs with 0–60% of the elements changed (small steps, large jumps, sign flips, -0.0);
-a rank that did not commit, forgot its base, or runs without the option makes the next sync a full one on
-every rank; a new executor (after a re-handshake) starts with a full sync."""
+consecutive delta syncs with 0–60% of the elements changed (small steps, large jumps, sign flips, -0.0;
+the fallback to full syncs off, so messages that changed a lot travel whole inside delta syncs); a rank
+that did not commit, forgot its base, or runs without the option makes the next sync a full one on every
+rank; a new executor (after a re-handshake) starts with a full sync; with the default fallback a sync after
+a step that changed most weights is full, the next one refills the shadows, and deltas resume."""
 
 from __future__ import annotations
 
@@ -121,9 +123,15 @@ def _fifty_delta_syncs(rank: int, world: int, group, seed: int, options: Execute
 @pytest.mark.parametrize(
     ("world", "seed", "options"),
     [
-        (2, 31, ExecuteOptions(timeout=30, delta=True)),
-        (3, 32, ExecuteOptions(staging_cap_bytes=2048, timeout=30, delta=True)),
-        (4, 33, ExecuteOptions(staging_cap_bytes=4096, timeout=30, overlap=False, delta=True)),
+        (2, 31, ExecuteOptions(timeout=30, delta=True, delta_full_above=1.0)),
+        (3, 32, ExecuteOptions(staging_cap_bytes=2048, timeout=30, delta=True, delta_full_above=1.0)),
+        (
+            4,
+            33,
+            ExecuteOptions(
+                staging_cap_bytes=4096, timeout=30, overlap=False, delta=True, delta_full_above=1.0
+            ),
+        ),
     ],
 )
 def test_fifty_consecutive_delta_syncs_leave_every_target_equal_to_its_oracle(
@@ -189,3 +197,26 @@ def _bases_after(rank: int, world: int, group, how: str) -> list[int | None]:
 def test_a_rank_without_the_base_makes_the_next_sync_full_on_every_rank(how: str, expected: list) -> None:
     results = run_on_ranks(_bases_after, 3, how, timeout=300)
     assert all(bases == expected for bases in results), results
+
+
+def _fallback(rank: int, world: int, group) -> list[tuple[int | None, float | None]]:
+    sc = random_scenario(51, world, tensors=4)
+    half = sc.plan().half(rank)
+    state = Stepped(sc, rank)
+    executor = Executor(group, ExecuteOptions(timeout=30, delta=True))
+    out = []
+    for version, fraction in enumerate((0.0, 0.01, 0.6, 0.01, 0.01)):
+        if version:
+            state.step(version, fraction)
+        stats = executor.execute(half, state.sources, state.targets)
+        assert not state.wrong(), f"rank {rank} sync {version}"
+        executor.committed(version)
+        out.append((stats.delta_base, stats.estimated_changed_share))
+    return out
+
+
+def test_a_step_that_changed_most_weights_is_synced_in_full_and_deltas_resume_after_it() -> None:
+    results = run_on_ranks(_fallback, 3, timeout=300)
+    assert all([base for base, _ in r] == [None, 0, None, None, 3] for r in results), results
+    shares = [share for r in results for _, share in r[2:3] if share is not None]
+    assert shares and max(shares) > 1 / 32  # the sender that saw it asked for the full sync
