@@ -24,10 +24,11 @@ sync moves new values.
   trainer ranks and workers share this host, so bytes are pulled from the sender's memory or staged in
   shared memory, ``transport.shared_memory``); its own bitwise check (``same_host_bitwise_equal``).
 - ``delta``: a third handshake with ``delta=True`` (over gloo, like ``ours``). Per changed fraction (1%, 10%,
-  50%): one full sync (unmeasured: it fills the trainer ranks' shadows), then ``--warmup`` + ``--syncs``
-  delta syncs, each after a synthetic optimizer step on that fraction of the trainer's stored weights at
-  random positions (``change``: ``w·(1 + ε)``, ε ~ N(0, 0.01²), in bf16, every chosen element changed),
-  then the bitwise check. ``full_s`` is ``ours_s`` (the full sync over gloo in the same run).
+  50%): two full syncs (unmeasured: they fill the trainer ranks' shadows), then ``--warmup`` + ``--syncs``
+  syncs, each after a synthetic optimizer step on that fraction of the trainer's stored weights at random
+  positions (``change``: ``w·(1 + ε)``, ε ~ N(0, 0.01²), in bf16, every chosen element changed): delta
+  syncs, or full ones where the senders' samples show more than ``delta_full_above`` (1/32) changed; then
+  the bitwise check. ``full_s`` is ``ours_s`` (the full sync over gloo in the same run).
 - ``baseline`` (OpenRLHF style): a gloo group of trainer rank 0 and every vLLM worker; per parameter,
   ``GatheredParameters`` on every trainer rank, rank 0 broadcasts the full tensor, each worker receives it
   into a fresh buffer and calls ``model.load_weights``; at the end derived copies are rebuilt as ours does,
@@ -242,6 +243,7 @@ def ours_sync(ctx: RankContext, version: int) -> dict[str, Any]:
         "elements_compared": stats["elements_compared"],
         "elements_changed": stats["elements_changed"],
         "delta_state_bytes": stats["delta_state_bytes"],
+        "estimated_changed_share": stats["estimated_changed_share"],
     }
 
 
@@ -625,20 +627,24 @@ def _measure_delta(
     workdir: Path,
     model: Path,
 ) -> dict[str, Any]:
-    """Delta syncs (a handshake with ``delta=True``, over gloo like ``ours_s``): per changed fraction, a full
-    sync first (unmeasured: it fills the trainer ranks' shadows; the bitwise check before it wrote the
-    weights by other means), then ``warmup`` + ``syncs`` syncs after a synthetic step (``change``) of that
-    fraction, each applying on the last; median seconds, the trainer ranks' bytes per sync (heads included),
-    and the bitwise check after the fraction's last sync."""
+    """Delta syncs (a handshake with ``delta=True``, over gloo like ``ours_s``): per changed fraction, two full
+    syncs first (unmeasured: they fill the trainer ranks' shadows; the bitwise check before wrote the weights
+    by other means), then ``warmup`` + ``syncs`` syncs after a synthetic step (``change``) of that fraction:
+    deltas applying on the last, or full syncs where the senders' samples show more than
+    ``delta_full_above`` changed (the 10% and 50% steps); median seconds, the trainer ranks' bytes per sync
+    (heads included), and the bitwise check after the fraction's last sync."""
     rows = []
     state = 0
     step = 0
     for fraction in DELTA_FRACTIONS:
+        # unmeasured: a sync of new weights (full: the bitwise check before wrote the weights by other means),
+        # then one of the same weights (full too, refilling the shadows the first skipped: it changed all)
         pool.call(perturb)
-        first = one_sync(step)[0]
-        step += 1
-        if any(r["delta_base"] is not None for r in first):
-            raise RuntimeError(f"{trainer}: the sync after a checkpoint write applied on a base: {first}")
+        for _ in range(2):
+            first = one_sync(step)[0]
+            step += 1
+            if any(r["delta_base"] is not None for r in first):
+                raise RuntimeError(f"{trainer}: a sync that had to be full applied on a base: {first}")
         seconds, moved, compared, changed = [], [], [], []
         for i in range(warmup + syncs):
             pool.call(change, fraction, step)
@@ -647,14 +653,14 @@ def _measure_delta(
             llm.reset_prefix_cache()
             took = time.perf_counter() - start
             step += 1
-            if any(r["delta_base"] is None for r in t):
-                raise RuntimeError(f"{trainer}: a sync after a committed one was not a delta: {t}")
             state = max(state, *(int(r["delta_state_bytes"]) for r in t))
+            kind = "delta" if all(r["delta_base"] is not None for r in t) else "full (fell back)"
+            estimates = [r["estimated_changed_share"] for r in t if r["estimated_changed_share"] is not None]
             _log(
-                f"{trainer} delta {fraction:.0%} sync {i + 1}/{warmup + syncs}: {took:.3f} s, "
+                f"{trainer} {fraction:.0%} changed, sync {i + 1}/{warmup + syncs}: {kind} {took:.3f} s, "
                 f"{sum(r['bytes_sent'] for r in t) / 1e6:.2f} MB, changed "
-                f"{sum(r['elements_changed'] for r in t)}/{sum(r['elements_compared'] for r in t)}"
-                + (" (warm-up)" if i < warmup else "")
+                f"{sum(r['elements_changed'] for r in t)}/{sum(r['elements_compared'] for r in t)}, "
+                f"sampled share {max(estimates, default=0.0):.4f}" + (" (warm-up)" if i < warmup else "")
             )
             if i >= warmup:
                 seconds.append(took)

@@ -167,7 +167,7 @@ def _bases_after(rank: int, world: int, group, how: str) -> list[int | None]:
     half = sc.plan().half(rank)
     state = Stepped(sc, rank)
     odd = rank == world - 1
-    options = ExecuteOptions(timeout=30, delta=not (how == "option off" and odd))
+    options = ExecuteOptions(timeout=30, delta=not (how == "option off" and odd), delta_full_above=1.0)
     executor = Executor(group, options)
     bases = []
     for version in range(4):
