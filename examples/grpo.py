@@ -276,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
             bar.write(
                 f"step {step}: reward {row['reward']:.3f}  loss {row['loss']:+.4f}  sync v{row['version']} "
                 f"(vLLM weight_version {row['vllm_weight_version']}) "
-                f"{row['sync_s'] * 1000:.0f} ms, {moved / 1e6:.2f} MB moved"
+                f"{row['sync_s'] * 1000:.0f} ms, {moved / 1e3:.1f} KB moved"
                 + (
                     f" ({'delta on v' + str(row['delta_base']) if row['delta_base'] is not None else 'full'}; "
                     f"the step changed {row['changed_fraction']:.2%} of the weights)"
@@ -302,10 +302,10 @@ def main(argv: list[str] | None = None) -> int:
         rest = summary["steps"][1:]
         if rest:
             print(
-                f"[grpo] delta syncs: the steps changed {min(r['changed_fraction'] for r in rest):.2%}-"
-                f"{max(r['changed_fraction'] for r in rest):.2%} of the weights; bytes moved per sync "
-                f"{min(r['bytes_moved'] for r in rest) / 1e6:.2f}-{max(r['bytes_moved'] for r in rest) / 1e6:.2f} "
-                f"MB against {summary['steps'][0]['bytes_moved'] / 1e6:.2f} MB for the first (full) sync",
+                f"[grpo] delta syncs: the steps changed {min(r['changed_fraction'] for r in rest):.3%}-"
+                f"{max(r['changed_fraction'] for r in rest):.3%} of the weights; bytes moved per sync "
+                f"{min(r['bytes_moved'] for r in rest) / 1e3:.1f}-{max(r['bytes_moved'] for r in rest) / 1e3:.1f} "
+                f"KB against {summary['steps'][0]['bytes_moved'] / 1e3:.1f} KB for the first (full) sync",
                 flush=True,
             )
     print(
