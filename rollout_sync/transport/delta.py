@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..errors import WireFormatError
 from ..planning.plan import PlanHalf
 from .delta_codec import (
     bits_dtype,
@@ -267,9 +268,12 @@ def _flat(storage: torch.Tensor) -> torch.Tensor:
     return torch.as_strided(storage, (span,), (1,), storage.storage_offset())
 
 
-def _apply(payload: torch.Tensor, landing: Landing, targets: Targets) -> int:
-    """Write a coded message's changes into the targets; returns how many elements changed."""
+def _apply(payload: torch.Tensor, landing: Landing, targets: Targets, elements: int) -> int:
+    """Write a coded message's changes into the targets (the message has ``elements`` elements); returns how
+    many elements changed."""
     positions = decode_positions(payload)
+    if positions.numel() and not 0 <= int(positions[-1]) < elements:
+        raise ValueError(f"a delta payload names element {int(positions[-1])} of a message of {elements}")
     name_index, offsets = landing.locate(positions)
     names, counts = torch.unique_consecutive(name_index, return_counts=True)
     bounds = [0, *torch.cumsum(counts, 0).tolist()]
@@ -363,7 +367,10 @@ def run_delta(
                 or not 0 < nbytes <= m.nbytes
                 or (mode == WHOLE and nbytes != m.nbytes)
             ):
-                raise ValueError(f"rank {transport.rank}: rank {m.peer} sent delta head ({mode}, {nbytes})")
+                raise WireFormatError(
+                    f"rank {transport.rank}: rank {m.peer} sent a delta head (mode {mode}, {nbytes} bytes) that "
+                    f"does not fit message {m.round} ({m.nbytes} bytes)"
+                )
             buf = slot("recv", m)[:nbytes]
             (pending,) = transport.post([Op("recv", buf, m.peer, 2 * m.round, f"delta round {m.round}")])
             counts.messages_received += 1
@@ -377,8 +384,15 @@ def run_delta(
             else:
                 itemsize = message_itemsize(parts)
                 if itemsize is None:
-                    raise ValueError(f"rank {transport.rank}: rank {m.peer} coded a message of mixed dtypes")
-                _apply(buf, delta.landing(m, parts, itemsize), targets)
+                    raise WireFormatError(
+                        f"rank {transport.rank}: rank {m.peer} coded a message of mixed dtypes"
+                    )
+                try:
+                    _apply(buf, delta.landing(m, parts, itemsize), targets, m.nbytes // itemsize)
+                except ValueError as e:
+                    raise WireFormatError(
+                        f"rank {transport.rank}: message {m.round} from rank {m.peer}: {e}"
+                    ) from e
                 for p in parts:
                     targets.landed(p.name)
             t = add("unpack", t)

@@ -212,7 +212,7 @@ def decode_positions(payload: torch.Tensor) -> torch.Tensor:
     escaped = gaps == _GAP_ESCAPE
     at = layout.gap_escape_at
     escapes = payload[at : at + 4 * layout.gap_escapes].view(torch.int32).to(torch.int64)
-    if int(escaped.sum()) != escapes.numel():
+    if int(torch.count_nonzero(escaped)) != escapes.numel() or bool((escapes < _GAP_ESCAPE).any()):
         raise ValueError("a delta payload's gap escapes do not match its gaps")
     gaps[escaped] = escapes
     return torch.cumsum(gaps + 1, 0) - 1
@@ -229,7 +229,7 @@ def decode_values(payload: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
         return raw.clone()
     small = payload[layout.values_at : layout.values_at + layout.n].view(torch.int8).to(torch.int64)
     escaped = small == _VALUE_ESCAPE
-    if int(escaped.sum()) != raw.numel():
+    if int(torch.count_nonzero(escaped)) != raw.numel():
         raise ValueError("a delta payload's value escapes do not match its values")
     new = _wrap(old.to(torch.int64) + small, itemsize)
     new[escaped] = raw.to(torch.int64)

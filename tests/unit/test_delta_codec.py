@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -203,3 +204,18 @@ def test_a_message_far_past_the_limit_is_counted_from_a_sample() -> None:
     new = old.clone()
     new[torch.randperm(n, generator=g)[: n // 8 + 1]] += 1
     assert changed_positions(new, old, n // 8) == (n // 8 + 1, None)
+
+
+def test_a_payload_that_does_not_decode_is_refused() -> None:
+    old = torch.zeros(1000, dtype=torch.int16)
+    new = old.clone()
+    new[[3, 600]] = 5
+    count, positions = changed_positions(new, old, 1000)
+    assert positions is not None
+    out = torch.empty(max_encoded_bytes(count, 2), dtype=torch.uint8)
+    encode(new, old, positions, out)
+    # the long gap (596) is escaped; an escape below 255 would let positions run backwards
+    escape_at = 36  # after the 32-byte head and the two gap bytes, at a multiple of 4
+    out[escape_at : escape_at + 4].view(torch.int32).fill_(-5)
+    with pytest.raises(ValueError, match="gap escapes"):
+        decode_positions(out)
