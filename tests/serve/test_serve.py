@@ -62,7 +62,7 @@ def plan_reused(ctx: RankContext) -> bool | None:
 
 
 class Trainer:
-    """A 2-rank ZeRO-3 trainer in a rank pool, restartable (fault tests kill it)."""
+    """A 2-rank ZeRO-3 trainer (AdamW, lr 1e-5) in a rank pool, restartable (fault tests kill it)."""
 
     def __init__(self, model: Path) -> None:
         self.model = model
@@ -71,7 +71,8 @@ class Trainer:
 
     def start(self) -> None:
         self.pool = RankPool(TRAINERS, env=TRAINER_ENV, timeout=600)
-        self.pool.call(setup, DeepSpeedSpec("dense", 3), str(self.model))
+        # lr 1e-5: a step changes well under 1/32 of the bf16 weights, so delta syncs do not fall back to full
+        self.pool.call(setup, DeepSpeedSpec("dense", 3, lr=1e-5), str(self.model))
         self.step = 0
 
     def stop(self) -> None:
