@@ -225,15 +225,16 @@ def take_sample(half: PlanHalf, sources: Mapping[str, torch.Tensor]) -> dict[str
     """Every ``SAMPLE_STRIDE``-th element of each contiguous source storage this rank sends from, cast to the
     dtype it travels in (a change is a change of what the receiver holds)."""
     return {
-        name: sources[name].view(-1)[:: _stride(sources[name])].to(wire).clone()
+        name: _sampled(sources[name]).to(wire).clone()
         for name, wire in _sampled_names(half).items()
         if sources[name].is_contiguous()
     }
 
 
-def _stride(storage: torch.Tensor) -> int:
-    """``SAMPLE_STRIDE``, denser for small storages (at least 64 samples where it has them)."""
-    return max(1, min(SAMPLE_STRIDE, storage.numel() // 64))
+def _sampled(storage: torch.Tensor) -> torch.Tensor:
+    """Every ``SAMPLE_STRIDE``-th element of a contiguous storage, denser in small ones (at least 64 samples
+    where it has them): a view."""
+    return storage.view(-1)[:: max(1, min(SAMPLE_STRIDE, storage.numel() // 64))]
 
 
 def changed_share(
@@ -242,7 +243,7 @@ def changed_share(
     """The share of the sampled elements whose bits differ from ``sample`` (taken at the last sync)."""
     changed = total = 0
     for name, old in sample.items():
-        new = sources[name].view(-1)[:: _stride(sources[name])].to(old.dtype)
+        new = _sampled(sources[name]).to(old.dtype)
         bits = bits_dtype(old.element_size())
         changed += int(torch.count_nonzero(new.view(bits) != old.view(bits)))
         total += old.numel()

@@ -241,9 +241,13 @@ class Executor:
         """The schedule of the last half this executor ran (None before the first)."""
         return None if self._cached is None else self._cached[1].schedule
 
-    def _program(self, half: PlanHalf, offers: list[int]) -> Program:
+    def _message_sizes(self, half: PlanHalf, offers: list[int]) -> dict[int, int]:
+        """The agreed message size with each peer this half exchanges messages with: the smaller offer."""
         send_peers, recv_peers = peers_of(half, self.in_process)
-        sizes = {p: min(offers[self.rank], offers[p]) // ALIGN * ALIGN for p in {*send_peers, *recv_peers}}
+        return {p: min(offers[self.rank], offers[p]) // ALIGN * ALIGN for p in {*send_peers, *recv_peers}}
+
+    def _program(self, half: PlanHalf, offers: list[int]) -> Program:
+        sizes = self._message_sizes(half, offers)
         # Keyed by content (digest, rank, fingerprints), so a half rebuilt for every sync still reuses it.
         key = (
             half.digest,
@@ -399,8 +403,7 @@ class Executor:
         cached = self._delta
         if cached is not None and cached.layout == layout and cached.program.schedule.rank == half.rank:
             return cached
-        send_peers, recv_peers = peers_of(half, self.in_process)
-        sizes = {p: min(offers[self.rank], offers[p]) // ALIGN * ALIGN for p in {*send_peers, *recv_peers}}
+        sizes = self._message_sizes(half, offers)
         schedule = build_schedule(
             half, sizes, zero_copy=False, depth=self.depth, in_process=self.in_process, uniform=True
         )
