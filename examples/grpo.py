@@ -21,7 +21,7 @@ loader, which makes the next sync a full one, so with ``--delta`` it runs once, 
 
 In a real job the trainer runs under the ``deepspeed`` launcher and attaches with three lines::
 
-    from rollout_sync.sync.trainer import TrainerSync
+    from rollout_sync.trainer.hook import TrainerSync
     sync = TrainerSync.attach(engine, address="tcp://HOST:PORT", engines=1)  # token: ROLLOUT_SYNC_TOKEN
     # ... engine.backward(loss); engine.step()  -> syncs after each applied optimizer step
 
@@ -40,6 +40,9 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+# testbed/ (tiny models, DeepSpeed engines on CPU ranks) comes with the checkout, not with the installed package.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 GOOD_TOKENS = range(4, 500)  # the reward: completion tokens with these ids (lower half of the vocabulary)
 
@@ -107,7 +110,7 @@ def delta_figures(results: list[dict[str, Any]], zero: int, autotp: int, autoep:
 
 def save_weights(ctx: Any, out: str, model_dir: str) -> None:
     """The trainer's weights through DeepSpeed's own gathers, saved as a checkpoint (rank 0 writes)."""
-    from rollout_sync.testing.checkpoints import full_logical_tensors, save_checkpoint
+    from testbed.checkpoints import full_logical_tensors, save_checkpoint
 
     full = full_logical_tensors(ctx.state["engine"])
     if ctx.rank == 0:
@@ -162,10 +165,10 @@ def main(argv: list[str] | None = None) -> int:
     from tqdm import tqdm
     from vllm import LLM, SamplingParams
 
-    from rollout_sync.testing.deepspeed import DeepSpeedSpec
-    from rollout_sync.testing.rank_pool import RankPool, free_port
-    from rollout_sync.testing.tiny_models import make_tiny_model
-    from rollout_sync.testing.trainer_ranks import attach, setup
+    from testbed.deepspeed import DeepSpeedSpec
+    from testbed.rank_pool import RankPool, free_port
+    from testbed.tiny_models import make_tiny_model
+    from testbed.trainer_ranks import attach, setup
     from vllm_plugin.driver import (
         apply_checkpoint,
         connect_engine,

@@ -20,6 +20,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+# testbed/ (tiny models, DeepSpeed engines on CPU ranks) comes with the checkout, not with the installed package.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 VERIFIED: list[bool] = []
 
 
@@ -34,7 +37,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
-    from rollout_sync.testing.launched import build_checkpoint, colocated_cpu_env
+    from testbed.launched import build_checkpoint, colocated_cpu_env
 
     colocated_cpu_env()  # before vLLM is imported
 
@@ -82,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     callback = RolloutSyncCallback(trainer, ColocatedRollout(llm, rank=rank, world=world))
     if args.verify:
-        from rollout_sync.testing.verify_sync import verify_last_sync
+        from testbed.verify_sync import verify_last_sync
 
         def verify(sync: Any) -> None:
             good, changed = verify_last_sync(sync, model_dir, work / "verify")

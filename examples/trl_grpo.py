@@ -6,7 +6,7 @@ Colocate mode (each trainer process holds its own vLLM engine)::
 
 Server mode (a vLLM server with the rollout-sync worker extension; generation goes through TRL's client)::
 
-    python -m rollout_sync.testing dense /tmp/rollout-sync-trl/model
+    python -m testbed dense /tmp/rollout-sync-trl/model
     VLLM_SERVER_DEV_MODE=1 python -m rollout_sync.serve serve /tmp/rollout-sync-trl/model --port 8000 \\
         --worker-extension-cls vllm_plugin.extension.RolloutSyncExtension --max-model-len 128
     accelerate launch --config_file examples/trl/zero3.yaml examples/trl_grpo.py --mode server --verify
@@ -34,6 +34,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+# testbed/ (tiny models, DeepSpeed engines on CPU ranks) comes with the checkout, not with the installed package.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 GOOD_TOKENS = range(4, 500)  # the reward: completion tokens with these ids (the tiny vocabulary has 1000)
 VERIFIED: list[bool] = []  # with --verify: one entry per sync, True if vLLM held the trainer's weights
 
@@ -57,7 +60,7 @@ def reward(completion_ids: list[list[int]], **_: Any) -> list[float]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
-    from rollout_sync.testing.launched import build_checkpoint, colocated_cpu_env
+    from testbed.launched import build_checkpoint, colocated_cpu_env
 
     colocated_cpu_env()  # before vLLM is imported
 
@@ -127,7 +130,7 @@ def verify(sync: Any, model_dir: Path, out: Path) -> None:
     """vLLM must hold the trainer's weights, as DeepSpeed itself gathers them, bit for bit."""
     import torch.distributed as dist
 
-    from rollout_sync.testing.verify_sync import verify_last_sync
+    from testbed.verify_sync import verify_last_sync
 
     good, changed = verify_last_sync(sync, model_dir, out)
     VERIFIED.append(good)

@@ -33,7 +33,7 @@ if builder is not None and builder.is_compatible():
     builder.load()  # the JIT build; a later load only reads the cache
 PY
 build=$!
-"${pip[@]}" -e "$root[test,trl]"
+"${pip[@]}" -e "$root[trainer,test,trl]"
 if ! wait "$build"; then
   echo "[setup] DeepSpeed's shm comm op did not build (it will be built at first use):" >&2
   tail -5 "$venv/.shm-comm-build.log" >&2

@@ -119,7 +119,7 @@ class RolloutSyncExtension:
 
         from rollout_sync.transport import DEFAULT_STAGING_CAP_BYTES
 
-        from .link import connect
+        from .worker_link import connect
 
         tp = get_tp_group()
         self.rollout_sync_link = connect(
@@ -137,7 +137,7 @@ class RolloutSyncExtension:
     def rollout_sync_receive(self) -> dict[str, Any]:
         """Receive one sync into this worker's parameters, in place (call while no generation runs: one
         ``collective_rpc`` runs between engine steps). Returns the version the trainer sent."""
-        from .link import receive
+        from .worker_link import receive
 
         if self.rollout_sync_link is None:
             raise IncompleteUpdateError("rollout_sync_connect has not run on this worker")

@@ -3,7 +3,7 @@ probe.
 
 ``maps`` chooses:
 
-- ``"fast"`` (default): for a model type whose vLLM layout the shape tables know (``rollout_sync.models``),
+- ``"fast"`` (default): for a model type whose vLLM layout the shape tables know (``rollout_sync.shapes``),
   the maps come from the model's shapes and the engine's parallel config (``shape_targets``) and are
   confirmed on the live engine by tracing its loaders on the meta device (``tracing.trace_loads`` then
   ``check.check_targets``; a disagreement raises ``TargetMismatchError``). Tensors the trace cannot follow
@@ -25,10 +25,10 @@ from typing import Any
 import torch
 
 from rollout_sync.errors import LayoutError, TargetMismatchError
-from rollout_sync.models.tensors import model_tensors
 from rollout_sync.rollout.check import check_targets, target_differences
 from rollout_sync.rollout.probe import LocalTargets, TargetsBuilder
 from rollout_sync.rollout.shape_targets import shape_targets
+from rollout_sync.shapes.tensors import model_tensors
 from rollout_sync.transport.local_check import dtype_name
 
 __all__ = ["MAPS_MODES", "find_targets"]

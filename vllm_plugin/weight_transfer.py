@@ -100,7 +100,7 @@ class RolloutSyncWeightTransferEngine(WeightTransferEngine[RolloutSyncInitInfo, 
             maps=init_info.maps,
         )
         if init_info.address:
-            from .link import connect
+            from .worker_link import connect
 
             tp = get_tp_group()
             self.link = connect(
@@ -125,7 +125,7 @@ class RolloutSyncWeightTransferEngine(WeightTransferEngine[RolloutSyncInitInfo, 
                 "update_info.checkpoint is empty and this worker joined no sync group "
                 "(pass init_info.address to init_weight_transfer_engine)"
             )
-        from .link import receive
+        from .worker_link import receive
 
         self.last_report = receive(self._worker(), self.link, open_update=False)
 

@@ -27,10 +27,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+# testbed/ (tiny models, DeepSpeed engines on CPU ranks) comes with the checkout, not with the installed package.
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", required=True, help="checkpoint directory (python -m rollout_sync.testing)")
+    ap.add_argument("--model", required=True, help="checkpoint directory (python -m testbed)")
     ap.add_argument("--address", required=True, help="the coordinator's address, tcp://HOST:PORT")
     ap.add_argument("--engines", type=int, default=1, help="how many vLLM engines take part")
     ap.add_argument("--steps", type=int, default=2)
@@ -43,7 +46,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
 def write_verification(engine: Any, rank: int, model: str, out: Path, version: int) -> None:
     """The weights as DeepSpeed gathers them (collective), saved by rank 0, then the done marker."""
-    from rollout_sync.testing.checkpoints import full_logical_tensors, save_checkpoint
+    from testbed.checkpoints import full_logical_tensors, save_checkpoint
 
     full = full_logical_tensors(engine)
     if rank == 0:
@@ -57,8 +60,8 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     import torch.distributed as dist
 
-    from rollout_sync.sync.trainer import TrainerSync
-    from rollout_sync.testing.deepspeed import (
+    from rollout_sync.trainer.hook import TrainerSync
+    from testbed.deepspeed import (
         DeepSpeedSpec,
         build_engine,
         init_distributed_from_env,

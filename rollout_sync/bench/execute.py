@@ -8,7 +8,7 @@ Four processes over one gloo group (``rollout_sync.transport.groups``): trainer 
 model (hidden 1024, 16 heads, 8 kv heads, head dim 128, intermediate 3072; ``--layers`` layers, ``--vocab``
 rows, untied lm_head; bf16) as DeepSpeed ZeRO-3 partitions; rollout ranks 2-3 hold it as one vLLM TP-2
 engine (fused qkv / gate_up rows, o_proj / down_proj columns, vocab-parallel embedding and lm_head, norms
-replicated). Maps from ``rollout_sync.models`` (``trainer_maps``, ``vllm_target_maps``), plan from
+replicated). Maps from ``rollout_sync.shapes`` (``trainer_maps``, ``vllm_target_maps``), plan from
 ``plan_model``. Every storage is a view into one flat buffer per rank, as in the engines.
 
 - ``ours``: ``Executor.execute`` of each rank's half (staging cap ``--cap-mib``), one executor reused.
@@ -69,7 +69,7 @@ def qwen3_like(layers: int, vocab: int) -> dict[str, Any]:
 
 
 def _maps(layers: int, vocab: int) -> tuple[list[Any], list[Any]]:
-    from ..models import model_tensors, trainer_maps, vllm_target_maps
+    from ..shapes import model_tensors, trainer_maps, vllm_target_maps
 
     model = model_tensors(qwen3_like(layers, vocab))
     sources = trainer_maps(model, zero_stage=3, dp=len(TRAINER), dtype="bfloat16")

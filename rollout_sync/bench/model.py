@@ -124,8 +124,8 @@ class _Rank(TimedRank):
     def row(self, name: str, spec: dict[str, Any]) -> dict[str, Any]:
         import torch
 
-        from ..models import model_tensors, trainer_maps, vllm_target_maps
         from ..planning.planner import plan_model
+        from ..shapes import model_tensors, trainer_maps, vllm_target_maps
         from ..transport import ExecuteOptions, Executor
 
         model = model_tensors(qwen3_like(self.args.layers, self.args.vocab))

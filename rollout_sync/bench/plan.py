@@ -14,7 +14,7 @@
   ``ours_flat_s`` is our planner on the same target cut into flat 1-D runs that start mid-row (DeepSpeed
   0.19.8 refuses those).
 - ``qwen3_8b``: Qwen3-8B shapes; sources AutoTP-2 × ZeRO-3 DP-4 (ranks 0-7), targets one vLLM-like TP-4
-  engine with fused qkv / gate_up storage (ranks 8-11), built by ``rollout_sync.models``. ``maps_s``:
+  engine with fused qkv / gate_up storage (ranks 8-11), built by ``rollout_sync.shapes``. ``maps_s``:
   building every map (validation included); ``plan_s``: ``plan_model`` with the ``lowest`` policy;
   ``plan_balanced_s`` with ``balanced``; ``deepspeed_s``: DeepSpeed's ``plan_transfer`` on the same maps
   (each tensor converted through ``interop.to_deepspeed`` first, untimed; the planner's time summed over
@@ -259,7 +259,7 @@ def bench_single(pieces: list[int], repeat: int, cap: float, with_deepspeed: boo
 
 
 def _qwen3_8b_maps() -> tuple[list[TensorMap], list[TensorMap]]:
-    from ..models import preset, trainer_maps, vllm_target_maps
+    from ..shapes import preset, trainer_maps, vllm_target_maps
 
     model = preset("qwen3-8b")
     sources = trainer_maps(model, zero_stage=3, dp=4, tp=2)

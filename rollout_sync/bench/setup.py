@@ -3,8 +3,8 @@ element probe, on the same live engine.
 
 ``python -m rollout_sync.bench setup [--json] [--workdir DIR] [--cap-mib 64]``
 
-Model: Qwen3-0.6B's shapes with random bf16 weights (``rollout_sync.testing.shaped_models``), one vLLM CPU
-engine at TP 2 with ``vllm_plugin.baseline.BenchExtension``. On that engine, one after the other:
+Model: Qwen3-0.6B's shapes with random bf16 weights (``testbed.shaped_models``), one vLLM CPU
+engine at TP 2 with ``testbed.baseline_extension.BenchExtension``. On that engine, one after the other:
 
 - ``fast``: ``rollout_sync_setup(maps="fast")`` on every worker (``vllm_plugin.targets``: maps from the
   model's shapes and vLLM's parallel config, confirmed by tracing vLLM's loaders on the meta device);
@@ -57,9 +57,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workdir", type=Path, default=Path.home() / ".cache" / "rollout-sync")
     parser.add_argument("--cap-mib", type=int, default=64, help="staging cap the fast path is held to, MiB")
     args = parser.parse_args(argv)
+    from testbed.shaped_models import make_shaped_model
+
     from ..rollout.check import target_differences
     from ..rollout.codec import local_targets_from_dict
-    from ..testing.shaped_models import make_shaped_model
 
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     model = make_shaped_model(MODEL_KIND, args.workdir / MODEL_KIND)

@@ -3,15 +3,15 @@
 ``python -m rollout_sync.bench sync [--json] [--workdir DIR] [--syncs 3] [--warmup 1] [--rows zero3,zero2]
 [--stand-in-packing]``
 
-Model: Qwen3-0.6B's shapes with random bf16 weights (``rollout_sync.testing.shaped_models``). Trainer:
+Model: Qwen3-0.6B's shapes with random bf16 weights (``testbed.shaped_models``). Trainer:
 DeepSpeed over 2 CPU ranks (``zero3``: ZeRO-3; ``zero2``: ZeRO-2, 2 replicas, balanced policy; SGD, never
-stepped). Rollout: one vLLM CPU engine at TP 2 with ``vllm_plugin.baseline.BenchExtension``. One row at a
+stepped). Rollout: one vLLM CPU engine at TP 2 with ``testbed.baseline_extension.BenchExtension``. One row at a
 time: each row builds its trainer and its engine and tears both down before the next.
 
 Packed layers: where the CPU makes vLLM pack its dense linear weights (AVX-512/AMX: an empty weight, a
 kernel's packed copy), ours writes each layer's loaded form and vLLM rebuilds the packed form layer by layer;
 the baseline wraps its loads in vLLM's ``initialize_layerwise_reload`` / ``finalize_layerwise_reload``.
-``--stand-in-packing`` packs them with ``rollout_sync.testing.packing`` on a CPU where vLLM keeps plain
+``--stand-in-packing`` packs them with ``testbed.packing`` on a CPU where vLLM keeps plain
 weights, so the same paths run there (the row says which: ``packing``).
 
 Before every sync the trainer's weights are negated in place (bf16 and fp32 copies alike, exact), so each
@@ -79,14 +79,14 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from ..testing.peak_memory import PeakMemory
-from ..testing.rank_pool import RankContext
+from testbed.peak_memory import PeakMemory
+from testbed.rank_pool import RankContext
 
 __all__ = ["assemble_row", "main", "method_summary"]
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 MODEL_KIND = "qwen3-0.6b-shapes"
-EXTENSION = "vllm_plugin.baseline.BenchExtension"
+EXTENSION = "testbed.baseline_extension.BenchExtension"
 TOKEN = "bench-sync"
 TRAINERS = 2
 TP = 2
@@ -307,7 +307,7 @@ def save_checkpoint(ctx: RankContext, out: str, model_dir: str) -> int:
     """The trainer's full weights (DeepSpeed's own gathers) as a checkpoint directory; collective."""
     from safetensors.torch import save_file
 
-    from ..testing.deepspeed import full_parameters
+    from testbed.deepspeed import full_parameters
 
     full = full_parameters(_engine(ctx))
     if ctx.rank == 0:
@@ -464,11 +464,10 @@ def run_row(
     staging_cap_bytes: int,
     stand_in: bool = False,
 ) -> dict[str, Any]:
+    from testbed.deepspeed import DeepSpeedSpec
+    from testbed.rank_pool import RankPool, free_port
+    from testbed.trainer_ranks import attach, setup
     from vllm_plugin.driver import setup_engines
-
-    from ..testing.deepspeed import DeepSpeedSpec
-    from ..testing.rank_pool import RankPool, free_port
-    from ..testing.trainer_ranks import attach, setup
 
     stage = {"zero3": 3, "zero2": 2}[trainer]
     # SGD is a ZeRO optimizer DeepSpeed calls "untested"; the benchmark never steps it.
@@ -696,7 +695,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--stand-in-packing",
         action="store_true",
-        help="pack the dense linear layers with rollout_sync.testing.packing where vLLM keeps plain weights",
+        help="pack the dense linear layers with testbed.packing where vLLM keeps plain weights",
     )
     args = parser.parse_args(argv)
     rows_wanted = [r for r in args.rows.split(",") if r]
@@ -706,7 +705,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.syncs < 1 or args.warmup < 0:
         parser.error("--syncs must be >= 1 and --warmup >= 0")
     os.environ["DS_ACCELERATOR"] = "cpu"
-    from ..testing.shaped_models import make_shaped_model
+    from testbed.shaped_models import make_shaped_model
 
     start = time.perf_counter()
     model = make_shaped_model(MODEL_KIND, args.workdir / MODEL_KIND)

@@ -14,7 +14,7 @@ zeroed (their weights are empty).
 
 Seconds: the slower process, after a barrier, median over the measured steps (a warm-up step first: our
 attach, TRL's first-pass metadata). Extra memory: the process's high-water mark during the sync minus its
-resident memory before (``rollout_sync.testing.peak_memory``), the larger process; in colocate mode the
+resident memory before (``testbed.peak_memory``), the larger process; in colocate mode the
 process is trainer rank and vLLM worker at once. Shapes: Qwen3-0.6B's with 14 of its 28 layers by default
 (every tensor shape of Qwen3-0.6B, vocab 151,936 tied, 0.38B elements; random bf16 weights made locally;
 the trainer trains in fp32): the largest Qwen3 shapes whose two colocated processes fit in this machine's
@@ -59,7 +59,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from rollout_sync.testing.launched import build_checkpoint, colocated_cpu_env
+    from testbed.launched import build_checkpoint, colocated_cpu_env
 
     args = parse(argv)
     if args.worker:
@@ -153,7 +153,7 @@ def worker(args: argparse.Namespace) -> int:
 
     from rollout_sync.integrations.rollout_side import ColocatedRollout
     from rollout_sync.integrations.trl import TrlWeightSync, rollout_side
-    from rollout_sync.testing.peak_memory import PeakMemory
+    from testbed.peak_memory import PeakMemory
     from vllm_plugin.worker_state import param_digest
 
     PartialState(cpu=True)  # as TrainingArguments(use_cpu=True) does; else each process is 0 of 1

@@ -155,7 +155,7 @@ class ColocatedRollout:
         return dict(self.worker.summary())
 
     def connect(self, address: str, token: str, timeout: float, staging_cap_bytes: int) -> Background | None:
-        from vllm_plugin.link import connect
+        from vllm_plugin.worker_link import connect
 
         def join() -> dict[str, Any]:
             self.link = connect(
@@ -173,7 +173,7 @@ class ColocatedRollout:
         return Background(f"engine {self.engine} worker {self.tp_rank} joining the sync group", join)
 
     def receive(self, timeout: float) -> Background | None:
-        from vllm_plugin.link import receive
+        from vllm_plugin.worker_link import receive
 
         def run() -> dict[str, Any]:
             report = receive(self.worker, self.link)

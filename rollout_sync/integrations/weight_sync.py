@@ -104,7 +104,7 @@ class WeightSync:
         self.staging_cap_bytes = staging_cap_bytes
         self.state = state
         self.engine: Any = None
-        self.trainer: Any = None  # rollout_sync.sync.trainer.TrainerSync
+        self.trainer: Any = None  # rollout_sync.trainer.hook.TrainerSync
         self.setup: dict[str, Any] = {}
         self.history: list[SyncResult] = []
         self.after_sync: list[Callable[[WeightSync], None]] = []
@@ -119,7 +119,7 @@ class WeightSync:
         without the extension) is raised on every process, naming it, before anyone joins."""
         import torch.distributed as dist
 
-        from ..sync.trainer import TrainerSync
+        from ..trainer.hook import TrainerSync
 
         if rollout is not None:
             self.rollout = rollout

@@ -30,6 +30,7 @@ from ..errors import (
     UnsupportedLayoutError,
 )
 from ..layout.dtypes import ITEMSIZE
+from .canonical import body_digest, plan_body, plan_digest
 
 
 @dataclass(frozen=True, slots=True)
@@ -226,12 +227,19 @@ class Plan:
 
     @classmethod
     def from_records(
-        cls, tensors: Sequence[PlannedTensor], records: Sequence[array], *, validate: bool = True
+        cls,
+        tensors: Sequence[PlannedTensor],
+        records: Sequence[array],
+        *,
+        validate: bool = True,
+        digest: str | None = None,
     ) -> Plan:
         """A plan from its columnar form (one ``array('q')`` of records per tensor, in the order the plan
-        keeps). ``validate=False`` is for the planner, whose records are valid by construction."""
+        keeps). ``validate=False`` is for the planner, whose records are valid by construction; ``digest``
+        is the digest of the canonical bytes the records were decoded from (``planning.wire``)."""
         plan = cls.__new__(cls)
         plan._init(tuple(tensors), tuple(records))
+        plan._digest = digest
         if validate:
             plan.validate()
         return plan
@@ -320,15 +328,15 @@ class Plan:
     def digest(self) -> str:
         """sha256 (hex) of the plan's canonical wire bytes: equal on every rank that holds the same plan."""
         if self._digest is None:
-            from .wire import plan_digest
-
             self._digest = plan_digest(self)
         return self._digest
 
-    def _remember_digest(self, digest: str) -> None:
-        """Keep a digest computed from this plan's canonical bytes elsewhere (the wire encoder)."""
+    def canonical_body(self) -> bytes:
+        """The plan's canonical body (``planning.canonical``); building it also fixes the digest."""
+        body = plan_body(self)
         if self._digest is None:
-            self._digest = digest
+            self._digest = body_digest(body)
+        return body
 
     def _rank_sets(self) -> list[tuple[frozenset[int], frozenset[int]]]:
         """Per tensor, the source ranks and the target ranks of its segments (built once)."""

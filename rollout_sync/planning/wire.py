@@ -25,30 +25,34 @@ that decodes but breaks the map rules raises the map's own ``LayoutError``.
 
 from __future__ import annotations
 
-import hashlib
 import json
-import struct
 import sys
 import zlib
 from array import array
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from types import MappingProxyType
 from typing import Any
 
 from ..errors import WireFormatError
 from ..layout.box import Box
 from ..layout.maps import Piece, RankStorage, TensorMap
+from .canonical import (
+    HEAD,
+    KIND_HALF,
+    KIND_MAPS,
+    KIND_PLAN,
+    MAGIC,
+    U32,
+    WIRE_VERSION,
+    body_digest,
+    ints_to_bytes,
+    json_bytes,
+    plan_digest,
+    tensor_table_json,
+)
 from .plan import Plan, PlanHalf, PlannedTensor, Segment, check_segment, record_width
 
-MAGIC = b"RSYNC"
-WIRE_VERSION = 1
-KIND_MAPS = b"M"
-KIND_PLAN = b"P"
-KIND_HALF = b"H"
 MAX_BODY_BYTES = 1 << 31
-
-_HEAD = struct.Struct(">5scHB")
-_U32 = struct.Struct(">I")
 
 __all__ = [
     "WIRE_VERSION",
@@ -67,17 +71,17 @@ __all__ = [
 
 def _frame(kind: bytes, body: bytes, compress: bool) -> bytes:
     if compress:
-        return _HEAD.pack(MAGIC, kind, WIRE_VERSION, 1) + zlib.compress(body, 1)
-    return _HEAD.pack(MAGIC, kind, WIRE_VERSION, 0) + body
+        return HEAD.pack(MAGIC, kind, WIRE_VERSION, 1) + zlib.compress(body, 1)
+    return HEAD.pack(MAGIC, kind, WIRE_VERSION, 0) + body
 
 
 def _unframe(data: bytes, kind: bytes) -> bytes:
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise WireFormatError(f"expected bytes, found {type(data).__name__}")
     data = bytes(data)
-    if len(data) < _HEAD.size:
-        raise WireFormatError(f"message of {len(data)} bytes is shorter than the {_HEAD.size}-byte header")
-    magic, got_kind, version, flags = _HEAD.unpack_from(data)
+    if len(data) < HEAD.size:
+        raise WireFormatError(f"message of {len(data)} bytes is shorter than the {HEAD.size}-byte header")
+    magic, got_kind, version, flags = HEAD.unpack_from(data)
     if magic != MAGIC:
         raise WireFormatError(f"not a rollout-sync message (magic {magic!r}, expected {MAGIC!r})")
     if got_kind != kind:
@@ -88,7 +92,7 @@ def _unframe(data: bytes, kind: bytes) -> bytes:
         )
     if flags & ~1:
         raise WireFormatError(f"unknown header flags {flags:#x}")
-    body = data[_HEAD.size :]
+    body = data[HEAD.size :]
     if flags & 1:
         try:
             inflater = zlib.decompressobj()
@@ -100,22 +104,11 @@ def _unframe(data: bytes, kind: bytes) -> bytes:
     return body
 
 
-def _json(obj: Any) -> bytes:
-    return json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()
-
-
 def _load_json(raw: bytes) -> Any:
     try:
         return json.loads(raw.decode())
     except (UnicodeDecodeError, ValueError) as exc:
         raise WireFormatError(f"body is not UTF-8 JSON: {exc}") from None
-
-
-def _ints_to_bytes(values: array) -> bytes:
-    if sys.byteorder == "big":
-        values = array("q", values)
-        values.byteswap()
-    return values.tobytes()
 
 
 def _ints_from_bytes(raw: bytes) -> array:
@@ -129,12 +122,12 @@ def _ints_from_bytes(raw: bytes) -> array:
 
 
 def _split_json(body: bytes) -> tuple[Any, bytes]:
-    if len(body) < _U32.size:
+    if len(body) < U32.size:
         raise WireFormatError("body is shorter than its JSON length field")
-    (n,) = _U32.unpack_from(body)
-    if _U32.size + n > len(body):
+    (n,) = U32.unpack_from(body)
+    if U32.size + n > len(body):
         raise WireFormatError(f"JSON section of {n} bytes runs past the {len(body)}-byte body")
-    return _load_json(body[_U32.size : _U32.size + n]), body[_U32.size + n :]
+    return _load_json(body[U32.size : U32.size + n]), body[U32.size + n :]
 
 
 # ---------------------------------------------------------------------------------------------- maps
@@ -152,7 +145,7 @@ def encode_maps(maps: Sequence[TensorMap], *, compress: bool = True) -> bytes:
             ]
             ranks.append([rank, list(st.shape), pieces])
         out.append([m.name, list(m.shape), m.dtype, ranks])
-    return _frame(KIND_MAPS, _json({"maps": out}), compress)
+    return _frame(KIND_MAPS, json_bytes({"maps": out}), compress)
 
 
 def decode_maps(data: bytes) -> tuple[TensorMap, ...]:
@@ -197,47 +190,6 @@ def _tup(x: Any) -> tuple[int, ...]:
 # ---------------------------------------------------------------------------------------------- plans
 
 
-class _Tables:
-    """Storage tables (rank -> storage shape) written once and referenced by index: the tensors of a model
-    share a handful of them."""
-
-    def __init__(self) -> None:
-        self.rows: list[list[Any]] = []
-        self._by_id: dict[int, int] = {}
-        self._by_content: dict[tuple[tuple[int, tuple[int, ...]], ...], int] = {}
-        self._keep: list[Mapping[int, tuple[int, ...]]] = []  # keep ids valid while encoding
-
-    def index(self, table: Mapping[int, tuple[int, ...]]) -> int:
-        got = self._by_id.get(id(table))
-        if got is not None:
-            return got
-        content = tuple(sorted(table.items()))
-        got = self._by_content.get(content)
-        if got is None:
-            got = self._by_content[content] = len(self.rows)
-            self.rows.append([[r, list(shape)] for r, shape in content])
-        self._by_id[id(table)] = got
-        self._keep.append(table)
-        return got
-
-
-def _tensor_table_json(tensors: Sequence[PlannedTensor], counts: Sequence[int]) -> bytes:
-    tables = _Tables()
-    entries = [
-        [
-            t.name,
-            list(t.shape),
-            t.source_dtype,
-            t.target_dtype,
-            tables.index(t.source_storage),
-            tables.index(t.target_storage),
-            count,
-        ]
-        for t, count in zip(tensors, counts, strict=True)
-    ]
-    return _json({"tables": tables.rows, "tensors": entries})
-
-
 def _tensors_from(obj: Any) -> list[tuple[PlannedTensor, int]]:
     if (
         not isinstance(obj, dict)
@@ -268,29 +220,9 @@ def _tensors_from(obj: Any) -> list[tuple[PlannedTensor, int]]:
         raise WireFormatError(f"malformed tensor table: {exc!r}") from None
 
 
-def _plan_body(plan: Plan) -> bytes:
-    n = len(plan.tensors)
-    head = _tensor_table_json(plan.tensors, [plan.segment_count(i) for i in range(n)])
-    ints = b"".join(_ints_to_bytes(plan.records(i)) for i in range(n))
-    return _U32.pack(len(head)) + head + ints
-
-
-def _canonical_digest(body: bytes) -> str:
-    h = hashlib.sha256(_HEAD.pack(MAGIC, KIND_PLAN, WIRE_VERSION, 0))
-    h.update(body)
-    return h.hexdigest()
-
-
 def encode_plan(plan: Plan, *, compress: bool = True) -> bytes:
     """A plan as wire bytes (and, as a side effect, the plan's digest, from the same canonical body)."""
-    body = _plan_body(plan)
-    plan._remember_digest(_canonical_digest(body))
-    return _frame(KIND_PLAN, body, compress)
-
-
-def plan_digest(plan: Plan) -> str:
-    """sha256 hex of the plan's canonical bytes (uncompressed, flags 0)."""
-    return _canonical_digest(_plan_body(plan))
+    return _frame(KIND_PLAN, plan.canonical_body(), compress)
 
 
 def decode_plan(data: bytes) -> Plan:
@@ -310,9 +242,7 @@ def decode_plan(data: bytes) -> Plan:
         pos += n
     if pos != len(ints):
         raise WireFormatError(f"{len(ints) - pos} integers after the last tensor's records")
-    plan = Plan.from_records(tensors, records)
-    plan._remember_digest(_canonical_digest(body))
-    return plan
+    return Plan.from_records(tensors, records, digest=body_digest(body))
 
 
 # ---------------------------------------------------------------------------------------------- halves
@@ -320,11 +250,11 @@ def decode_plan(data: bytes) -> Plan:
 
 def encode_half(half: PlanHalf, *, compress: bool = True) -> bytes:
     """One rank's half as wire bytes (with the whole plan's tensor table and digest)."""
-    head = _json(
+    head = json_bytes(
         {
             "rank": half.rank,
             "digest": half.digest,
-            "table": json.loads(_tensor_table_json(half.tensors, [0] * len(half.tensors))),
+            "table": json.loads(tensor_table_json(half.tensors, [0] * len(half.tensors))),
             "counts": [len(half.sends), len(half.receives), len(half.local)],
         }
     )
@@ -343,7 +273,7 @@ def encode_half(half: PlanHalf, *, compress: bool = True) -> bytes:
                     *s.extent,
                 )
             )
-    return _frame(KIND_HALF, _U32.pack(len(head)) + head + _ints_to_bytes(ints), compress)
+    return _frame(KIND_HALF, U32.pack(len(head)) + head + ints_to_bytes(ints), compress)
 
 
 def decode_half(data: bytes) -> PlanHalf:

@@ -1,22 +1,12 @@
-"""The rollout side, independent of vLLM: target maps from the model's shapes (``shape_targets``), their
-check against traces of vLLM's loaders (``check``), target maps from loader-probe observations (``probe``),
-a fleet's merged and coverage-checked targets (``targets``), their plain-data form (``codec``), the logical
-tensors of a checkpoint (``checkpoint``) and in-place writes into storage views with derived-copy rebuilds
-(``apply``)."""
+"""The rollout side, independent of vLLM (no module here imports vLLM; ``vllm_plugin`` wraps these with
+vLLM's objects inside vLLM's processes).
 
-from .apply import DerivedCopy, UpdateSession, piece_view, storage_tensor, write_pieces, write_segment
-from .probe import Landing, LocalTargets, StorageView, local_targets, target_map
-
-__all__ = [
-    "DerivedCopy",
-    "Landing",
-    "LocalTargets",
-    "StorageView",
-    "UpdateSession",
-    "local_targets",
-    "piece_view",
-    "storage_tensor",
-    "target_map",
-    "write_pieces",
-    "write_segment",
-]
+- ``vllm_geometry``: where vLLM 0.32 stores each logical element (fused qkv, gate_up, MoE w13/w2, padded
+  vocab shards), from shapes and the engine's parallel config (pure);
+- ``shape_targets``: one worker's target maps from the model's shapes; ``check``: their check against
+  traces of vLLM's loaders; ``probe``: target maps from loader-probe observations;
+- ``targets``: a fleet's merged and coverage-checked targets; ``codec``: their plain-data form;
+- ``checkpoint``: the logical tensors of a checkpoint;
+- ``group_link``: a worker's link to the sync group (connect, receive, commit);
+- ``apply``: in-place writes into storage views and derived-copy rebuilds.
+"""

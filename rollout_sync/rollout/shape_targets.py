@@ -13,8 +13,8 @@ from collections.abc import Mapping
 
 from ..errors import UnsupportedLayoutError
 from ..layout.maps import Piece, RankStorage, TensorMap
-from ..models.sides import vllm_param_views, vllm_target_maps
-from ..models.tensors import ModelTensors
+from ..shapes.sides import vllm_param_views, vllm_target_maps
+from ..shapes.tensors import ModelTensors
 from .probe import LocalTargets, StorageView
 
 __all__ = ["shape_targets"]

@@ -41,11 +41,11 @@ from typing import Any, TypeVar
 
 from ..layout.dtypes import ITEMSIZE
 from ..layout.maps import TensorMap
-from ..models.sides import trainer_maps, vllm_target_maps
-from ..models.tensors import ModelTensors
 from ..planning.by_layout import plan_model_by_layout
 from ..planning.policy import ReplicaPolicy, Spread
 from ..planning.rank_half import plan_rank_half
+from ..shapes.sides import trainer_maps, vllm_target_maps
+from ..shapes.tensors import ModelTensors
 from .spec import RolloutLayout, TrainerLayout, check_fit, load_model
 from .sync_model import GPU_LINKS, LinkFigures, overhead_seconds
 from .traffic import Bandwidth, Topology, lower_bound, modeled_seconds, needed_bytes, plan_traffic

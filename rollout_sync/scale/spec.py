@@ -1,7 +1,7 @@
 """Dry-run descriptions: the model, the trainer layout and the rollout layout, parsed and checked against
 each other before any map is built.
 
-- model: a bundled preset name (``rollout_sync.models.presets``: published shape numbers only) or the path
+- model: a bundled preset name (``rollout_sync.shapes.presets``: published shape numbers only) or the path
   of a Hugging Face ``config.json`` (or of the directory holding it);
 - trainer: ``"zero=3,tp=1,ep=64,world=256[,gpus_per_node=8]"`` (ZeRO stage, AutoTP size, AutoEP size,
   number of trainer GPUs; the data-parallel size is ``world / tp``);
@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import DryRunSpecError
-from ..models.presets import PRESETS, preset_config
-from ..models.tensors import ModelTensors, model_tensors
+from ..shapes.presets import PRESETS, preset_config
+from ..shapes.tensors import ModelTensors, model_tensors
 
 __all__ = ["RolloutLayout", "TrainerLayout", "check_fit", "load_model", "parse_rollout", "parse_trainer"]
 

@@ -1,15 +1,15 @@
-"""Trainer side: storage maps of a live DeepSpeed engine (ZeRO-0/1/2/3, AutoTP, AutoEP) and storage views
-of its own buffers.
+"""The trainer side: DeepSpeed (ZeRO-0/1/2/3, AutoTP, AutoEP) engines described as storage maps, views of
+their buffers, and the hook that syncs after each optimizer step.
 
-Pure modules (no torch): ``facts`` (layout facts), ``placement`` (TP/EP placements from DeepSpeed's
-descriptions), ``naming`` (logical tensor names), ``zero_geometry`` (ZeRO-1/2 flat buffers),
-``storage_maps`` (facts to maps), ``dry_run`` (facts from a model config and a layout description),
-``refusals``. Live modules: ``read_engine`` (facts and buffers of an
-engine), ``views``, ``storage`` (entry points). The live modules import torch; DeepSpeed is imported only
-when an engine is read.
+Pure modules (no torch): ``facts`` (layout facts), ``deepspeed_geometry`` (ZeRO-1/2 flat buffers, ZeRO-3
+partitions, AutoTP shard sizes), ``placement`` (TP/EP placements from DeepSpeed's descriptions),
+``naming`` (logical tensor names), ``storage_maps`` (facts to maps), ``shape_facts`` (the facts an engine
+would hold, from a model's shape table and a layout description), ``refusals``. Live modules: ``read_engine``
+(facts and buffers of an engine), ``views``, ``storage`` (entry points), ``freshness`` and ``fresh_views``
+(views kept valid between syncs), ``step_hook`` and ``hook`` (``TrainerSync``). The live modules import
+torch; DeepSpeed is imported only when an engine is read.
 """
 
-from .dry_run import dry_run_facts
 from .facts import STATES, LogicalPart, ParamFacts, TrainerFacts, ZeroGroup
 from .storage_maps import LocalRun, StorageMap, state_maps
 
@@ -22,7 +22,6 @@ __all__ = [
     "TrainerFacts",
     "TrainerStorage",
     "ZeroGroup",
-    "dry_run_facts",
     "state_maps",
     "trainer_storage",
     "trainer_storages",

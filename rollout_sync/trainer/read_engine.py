@@ -9,7 +9,7 @@ Everything is read locally: no collective runs, so any rank may call this alone.
 - AutoEP (``_create_expert_and_data_parallel``, no model parallelism): EP groups are consecutive ranks,
   EP rank ``r % ep``; the expert-data-parallel (EDP) group of EP rank ``k`` is ``[k, k + ep, ...]``; the
   expert placement is the descriptor AutoEP attached to each packed parameter;
-- ZeRO-1/2 flat buffers: ``rollout_sync.trainer.zero_geometry``.
+- ZeRO-1/2 flat buffers: ``rollout_sync.trainer.deepspeed_geometry``.
 
 Every rule is checked against what this rank really has (its own groups, shard shapes, flat offsets,
 partition sizes), and a disagreement is refused rather than guessed around.
@@ -27,11 +27,11 @@ import torch.distributed as tdist
 
 from ..errors import LayoutError, ShapeMismatchError, UnsupportedLayoutError
 from ..layout.nesting import Layout
+from .deepspeed_geometry import param_alignment_for, zero12_flat_layout
 from .facts import LogicalPart, ParamFacts, TrainerFacts, ZeroGroup
 from .naming import autoep_expert_parts, autoep_router_name, fused_expert_parts, plain_parts
 from .placement import autoep_layout, autotp_layout, replicated_layout, single_layout
 from .refusals import EngineTraits, refuse_engine
-from .zero_geometry import param_alignment_for, zero12_flat_layout
 
 __all__ = ["LocalParam", "ReadEngine", "read_engine", "read_traits"]
 

@@ -32,10 +32,10 @@ from math import prod
 
 from ..errors import LayoutError, NotAffineError, UnsupportedLayoutError
 from ..layout.box import row_major_strides
-from ..layout.builders import zero3_runs
 from ..layout.maps import TensorMap
 from ..layout.nesting import FlatRun, FlatRuns, Layout, Shard, ShardBlock, ShardStorage, Whole, nest
 from ..layout.runs import flat_run_boxes
+from .deepspeed_geometry import zero3_runs
 from .facts import STATES, LogicalPart, ParamFacts, TrainerFacts, ZeroGroup
 
 __all__ = ["LocalRun", "StorageMap", "part_layout", "shard_storages", "state_maps"]

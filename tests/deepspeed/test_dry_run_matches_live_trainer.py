@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 
-from rollout_sync.models import model_tensors
 from rollout_sync.scale.dry_run import build_maps
 from rollout_sync.scale.spec import parse_rollout, parse_trainer
+from rollout_sync.shapes import model_tensors
 from rollout_sync.trainer import trainer_storage
 from tests.harness import timings
 from tests.harness.deepspeed_engines import DeepSpeedRank, DeepSpeedSpec, run_deepspeed

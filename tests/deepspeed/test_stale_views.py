@@ -19,9 +19,9 @@ from typing import Any
 import pytest
 import torch
 
-from rollout_sync.testing.deepspeed import DeepSpeedSpec
-from rollout_sync.testing.rank_pool import RankContext, RankPool, free_port
-from rollout_sync.testing.trainer_ranks import setup
+from testbed.deepspeed import DeepSpeedSpec
+from testbed.rank_pool import RankContext, RankPool, free_port
+from testbed.trainer_ranks import setup
 
 pytestmark = pytest.mark.deepspeed
 
@@ -33,7 +33,7 @@ INT_VIEW = {torch.bfloat16: torch.int16, torch.float32: torch.int32}
 
 # ---------------------------------------------------------------------------------- trainer rank commands
 def step(ctx: RankContext, seed: int) -> float:
-    from rollout_sync.testing.deepspeed import train_step
+    from testbed.deepspeed import train_step
 
     return train_step(ctx.state["engine"], seed=seed)
 
@@ -50,7 +50,7 @@ def describe(ctx: RankContext, state: str) -> list[tuple[str, tuple[int, ...], s
 
 
 def attach(ctx: RankContext, address: str, state: str) -> int:
-    from rollout_sync.sync.trainer import TrainerSync
+    from rollout_sync.trainer.hook import TrainerSync
 
     sync = TrainerSync.attach(
         ctx.state["engine"], address=address, engines=1, token=TOKEN, every=None, state=state, timeout=TIMEOUT
@@ -100,7 +100,7 @@ def connect(
     ctx: RankContext, address: str, state: str, tensors: list[tuple[str, tuple[int, ...], str]]
 ) -> int:
     from rollout_sync.layout.builders import replicated_map
-    from rollout_sync.sync.rollout import RolloutLink
+    from rollout_sync.rollout.group_link import RolloutLink
 
     maps = [replicated_map(name, shape, dtype, [0]) for name, shape, dtype in tensors]
     link = RolloutLink.connect(

@@ -12,8 +12,8 @@ One engine launch per configuration covers every check of that configuration:
    into NaN-filled targets, reproduces every logical tensor exactly, from the parameters and from the
    fp32 master weights into bf16 targets;
 5. the dry runs give the same maps from the model config and the layout description alone: the map
-   builders' ``rollout_sync.models.trainer_maps`` (parameters, where it models the configuration) and
-   ``rollout_sync.trainer.dry_run.dry_run_facts`` (every state).
+   builders' ``rollout_sync.shapes.trainer_maps`` (parameters, where it models the configuration) and
+   ``rollout_sync.trainer.shape_facts.dry_run_facts`` (every state).
 """
 
 from __future__ import annotations
@@ -28,11 +28,11 @@ import torch.distributed as tdist
 from trainer_helpers import checkpoint_tensors, compare_views, full_tensors, run_engines, same_bits, timed
 
 from rollout_sync.layout.maps import TensorMap
-from rollout_sync.models import model_tensors, trainer_maps, vllm_target_maps
 from rollout_sync.planning.planner import plan_model
-from rollout_sync.testing.storage import extract
+from rollout_sync.shapes import model_tensors, trainer_maps, vllm_target_maps
 from rollout_sync.trainer import state_maps, trainer_storage, trainer_storages
-from rollout_sync.trainer.dry_run import dry_run_facts
+from rollout_sync.trainer.shape_facts import dry_run_facts
+from testbed.expected_storage import extract
 from tests.harness.deepspeed_engines import DeepSpeedRank, DeepSpeedSpec, train_step
 
 pytestmark = pytest.mark.deepspeed

@@ -8,9 +8,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rollout_sync.testing.deepspeed import DeepSpeedSpec
-from rollout_sync.testing.rank_pool import RankContext, RankPool, free_port
-from rollout_sync.testing.trainer_ranks import attach, setup, train_step
+from testbed.deepspeed import DeepSpeedSpec
+from testbed.rank_pool import RankContext, RankPool, free_port
+from testbed.trainer_ranks import attach, setup, train_step
 from tests.harness.vllm_engines import DEFAULT_PROMPTS
 from tests.vllm.rollout_checks import Snapshot, differing_params, snapshot
 from vllm_plugin.driver import apply_checkpoint, connect_engine, receive_sync, setup_engines
@@ -22,8 +22,8 @@ TRAINER_ENV = {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
 def save_checkpoint(ctx: RankContext, out: str, model_dir: str) -> list[str]:
     """What ``save_pretrained`` writes, from DeepSpeed's own gathers (no rollout-sync map involved): every
     logical tensor under its checkpoint name, plus the model's config and tokenizer files. Collective."""
-    from rollout_sync.testing.checkpoints import full_logical_tensors
-    from rollout_sync.testing.checkpoints import save_checkpoint as write
+    from testbed.checkpoints import full_logical_tensors
+    from testbed.checkpoints import save_checkpoint as write
 
     full = full_logical_tensors(ctx.state["engine"])
     if ctx.rank == 0:

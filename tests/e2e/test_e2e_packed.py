@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 
 from rollout_sync.errors import IncompleteUpdateError, PeerFailedError
-from rollout_sync.testing.deepspeed import DeepSpeedSpec
+from testbed.deepspeed import DeepSpeedSpec
 from tests.e2e.e2e_steps import check_steps, run_sync_steps
 from tests.harness.vllm_engines import LOGITS_KWARGS, shared_spec
 from tests.vllm.rollout_checks import builder_differences

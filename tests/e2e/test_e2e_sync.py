@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from rollout_sync.testing.deepspeed import DeepSpeedSpec
+from testbed.deepspeed import DeepSpeedSpec
 from tests.e2e.e2e_steps import check_steps, fresh_engine_snapshot, run_sync_steps
 from tests.harness.vllm_engines import shared_spec
 from tests.vllm.rollout_checks import differing_params

@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 
-from rollout_sync.testing.deepspeed import DeepSpeedSpec
-from rollout_sync.testing.rank_pool import RankPool, free_port
-from rollout_sync.testing.trainer_ranks import attach, setup, train_step
+from testbed.deepspeed import DeepSpeedSpec
+from testbed.rank_pool import RankPool, free_port
+from testbed.trainer_ranks import attach, setup, train_step
 from tests.e2e.e2e_steps import TOKEN, TRAINER_ENV, save_checkpoint
 from tests.harness.vllm_engines import shared_spec
 from vllm_plugin.driver import apply_checkpoint

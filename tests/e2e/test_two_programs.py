@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from rollout_sync.testing.rank_pool import free_port
+from testbed.rank_pool import free_port
 
 pytestmark = [pytest.mark.vllm, pytest.mark.deepspeed]
 

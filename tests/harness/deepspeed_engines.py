@@ -7,7 +7,7 @@ builds the engine described by ``spec`` (ZeRO stage, AutoTP size, AutoEP size, b
 something that pickles. ``rank_ctx`` is a ``DeepSpeedRank``: the engine, the rank, the world size, the
 ``run_on_ranks`` group (a gloo group not registered with ``torch.distributed``) and the spec.
 
-The engine-building parts (``DeepSpeedSpec``, ``build_engine``, ...) live in ``rollout_sync.testing.deepspeed``
+The engine-building parts (``DeepSpeedSpec``, ``build_engine``, ...) live in ``testbed.deepspeed``
 (the example and the benchmarks use them too) and are re-exported here.
 """
 
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rollout_sync.testing.deepspeed import (
+from testbed.deepspeed import (
     DeepSpeedSpec,
     build_engine,
     checkpoint_mismatches,

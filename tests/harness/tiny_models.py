@@ -1,7 +1,7 @@
-"""Tiny checkpoints for tests: re-exported from the library (``rollout_sync.testing.tiny_models``), where the
+"""Tiny checkpoints for tests: re-exported from the library (``testbed.tiny_models``), where the
 README demo and the examples also find them. The pytest fixtures that cache them per run are in
 ``tests/conftest.py``."""
 
-from rollout_sync.testing.tiny_models import TINY_KINDS, TinyKind, TinyModelSpec, make_tiny_model, tiny_spec
+from testbed.tiny_models import TINY_KINDS, TinyKind, TinyModelSpec, make_tiny_model, tiny_spec
 
 __all__ = ["TINY_KINDS", "TinyKind", "TinyModelSpec", "make_tiny_model", "tiny_spec"]

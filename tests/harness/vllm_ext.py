@@ -20,7 +20,7 @@ with ``rs_harness_`` or ``rs_rollout_test_``. Runs in the spawned worker: the re
   a plan whose single source rank holds each logical tensor whole (read from a checkpoint);
 - ``rs_harness_packs`` / ``rs_harness_pack_linears``: whether vLLM keeps the dense linear layers' weights
   (on AVX-512/AMX CPUs it packs them and leaves an empty weight), and, where it keeps them, the contract
-  stand-in for such packing (``rollout_sync.testing.packing``: the layer's quant method derives another
+  stand-in for such packing (``testbed.packing``: the layer's quant method derives another
   form, keeps it in ``cpu_linear``'s closure as vLLM's CPU GEMM dispatch does, and removes the weight).
 """
 
@@ -35,7 +35,7 @@ import torch
 from rollout_sync.rollout.apply import write_segment
 from rollout_sync.rollout.checkpoint import read_tensors
 from rollout_sync.rollout.probe import DEFAULT_MAX_PIECES
-from rollout_sync.testing.packing import dense_linears, pack_linears
+from testbed.packing import dense_linears, pack_linears
 from vllm_plugin.extension import RolloutSyncExtension
 
 TEST_EXTENSION = "tests.harness.vllm_ext.TestWorkerExtension"

@@ -11,7 +11,7 @@ import torch
 from rollout_sync.layout.box import Box, row_major_strides
 from rollout_sync.layout.maps import Piece, RankStorage, TensorMap
 from rollout_sync.rollout.checkpoint import read_tensors
-from rollout_sync.sync.trainer import TrainerSync
+from rollout_sync.trainer.hook import TrainerSync
 
 #: The tensors whose rows are the vocabulary (``grow`` adds rows to them).
 VOCAB_TENSORS = ("lm_head.weight", "model.embed_tokens.weight")

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from rollout_sync.testing.rank_pool import RankError, RankPool
+from testbed.rank_pool import RankError, RankPool
 
 
 def remember(ctx, value):

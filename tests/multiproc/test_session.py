@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from rollout_sync.errors import PeerFailedError, SyncTimeoutError
-from rollout_sync.models import model_tensors
-from rollout_sync.models.sides import trainer_maps, vllm_target_maps
-from rollout_sync.testing.rank_pool import RankError, RankPool, free_port
-from rollout_sync.testing.storage import extract, local_part
+from rollout_sync.shapes import model_tensors
+from rollout_sync.shapes.sides import trainer_maps, vllm_target_maps
+from testbed.expected_storage import extract, local_part
+from testbed.rank_pool import RankError, RankPool, free_port
 
 CONFIG = {
     "model_type": "qwen3",
@@ -43,8 +43,8 @@ def side_maps():
 
 
 def join(ctx, address: str, timeout: float, worker_device: str | None = None, drop: str | None = None):
-    from rollout_sync.sync.rollout import RolloutLink
-    from rollout_sync.sync.trainer import TrainerSync
+    from rollout_sync.rollout.group_link import RolloutLink
+    from rollout_sync.trainer.hook import TrainerSync
 
     sources, targets = side_maps()
     if ctx.rank < TRAINERS:

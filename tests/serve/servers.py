@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from rollout_sync.testing.rank_pool import free_port
+from testbed.rank_pool import free_port
 from tests.harness.vllm_engines import REPO_ROOT, omp_threads_bind
 from vllm_plugin.http_driver import ServerEngine
 

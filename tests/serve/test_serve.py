@@ -28,9 +28,9 @@ from typing import Any
 import pytest
 
 from rollout_sync.errors import PeerFailedError, ShapeMismatchError, SyncTimeoutError
-from rollout_sync.testing.deepspeed import DeepSpeedSpec
-from rollout_sync.testing.rank_pool import RankContext, RankError, RankPool, free_port
-from rollout_sync.testing.trainer_ranks import attach, setup, train_step
+from testbed.deepspeed import DeepSpeedSpec
+from testbed.rank_pool import RankContext, RankError, RankPool, free_port
+from testbed.trainer_ranks import attach, setup, train_step
 from tests.e2e.e2e_steps import TRAINER_ENV, save_checkpoint
 from tests.harness.vllm_engines import DEFAULT_PROMPTS
 from tests.harness.whole_trainer import VOCAB_TENSORS, connect_whole_trainer
@@ -134,7 +134,7 @@ def bases(trainer_side: list[dict[str, Any]], reports: list[list[dict[str, Any]]
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from rollout_sync.testing.tiny_models import make_tiny_model
+    from testbed.tiny_models import make_tiny_model
 
     return make_tiny_model("dense", tmp_path_factory.mktemp("serve_model") / "dense-seed0", 0)
 

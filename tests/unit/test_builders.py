@@ -13,14 +13,14 @@ from test_nesting import arange, check_storages, check_tiling, zero3_parts
 
 from rollout_sync.errors import LayoutError
 from rollout_sync.layout.builders import (
-    autotp_shard_sizes,
     even_sizes,
     replicated_layout,
     replicated_map,
     split_layout,
     split_map,
     sub_param_layout,
-    tp_zero_map,
+)
+from rollout_sync.rollout.vllm_geometry import (
     vllm_column_map,
     vllm_expert_map,
     vllm_expert_owner,
@@ -30,6 +30,10 @@ from rollout_sync.layout.builders import (
     vllm_row_map,
     vllm_vocab_map,
     vllm_vocab_rows,
+)
+from rollout_sync.trainer.deepspeed_geometry import (
+    autotp_shard_sizes,
+    tp_zero_map,
     zero3_map,
     zero3_partition_numel,
     zero3_runs,

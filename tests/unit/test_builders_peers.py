@@ -7,12 +7,8 @@ import os
 
 import pytest
 
-from rollout_sync.layout.builders import (
-    autotp_shard_sizes,
-    vllm_expert_owner,
-    vllm_vocab_rows,
-    zero3_partition_numel,
-)
+from rollout_sync.rollout.vllm_geometry import vllm_expert_owner, vllm_vocab_rows
+from rollout_sync.trainer.deepspeed_geometry import autotp_shard_sizes, zero3_partition_numel
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +69,7 @@ def test_deepspeed_autotp_groups_follow_the_trainer_rank_table(
     ``dist``: every rank's TP and DP groups are the rows and columns of ``trainer_rank_table``."""
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     groups = pytest.importorskip("deepspeed.utils.groups")
-    from rollout_sync.models import trainer_rank_table
+    from rollout_sync.shapes import trainer_rank_table
 
     table = trainer_rank_table(dp, tp)
     for rank in range(dp * tp):

@@ -10,7 +10,7 @@ from rollout_sync.errors import LayoutError, PlanMismatchError, StaleStorageErro
 from rollout_sync.layout.builders import replicated_map
 from rollout_sync.planning.wire import encode_maps
 from rollout_sync.sync.coordination import maps_digest
-from rollout_sync.sync.fresh_views import FreshViews
+from rollout_sync.trainer.fresh_views import FreshViews
 
 MAPS = [replicated_map("w", (4, 8), "bfloat16", [0, 1])]
 DIGEST = maps_digest(encode_maps(MAPS))

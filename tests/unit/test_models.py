@@ -11,8 +11,9 @@ import pytest
 from test_nesting import arange, check_storages, check_tiling, zero3_parts
 
 from rollout_sync.errors import LayoutError, UnsupportedLayoutError
-from rollout_sync.layout.builders import split_layout, tp_zero_map, vllm_qkv_part_map
-from rollout_sync.models import (
+from rollout_sync.layout.builders import split_layout
+from rollout_sync.rollout.vllm_geometry import vllm_qkv_part_map
+from rollout_sync.shapes import (
     PRESETS,
     model_tensors,
     preset,
@@ -21,6 +22,7 @@ from rollout_sync.models import (
     vllm_engine_ranks,
     vllm_target_maps,
 )
+from rollout_sync.trainer.deepspeed_geometry import tp_zero_map
 
 TINY_QWEN3: dict[str, Any] = {
     "model_type": "qwen3",
@@ -321,7 +323,7 @@ def test_a_large_moe_dry_run_builds_every_map() -> None:
 
 
 def test_autotp_layout_of_mla_projections_is_refused_not_guessed() -> None:
-    from rollout_sync.models import autotp_layout
+    from rollout_sync.shapes import autotp_layout
 
     m = model_tensors(TINY_DEEPSEEK)
     q_b = m.by_name()["model.layers.0.self_attn.q_b_proj.weight"]

@@ -10,9 +10,9 @@ from test_scale_planning import KIMI, QWEN3_MOE
 
 from rollout_sync.cli import main
 from rollout_sync.errors import DryRunSpecError
-from rollout_sync.models import model_tensors
 from rollout_sync.scale.report import JSON_KEYS
 from rollout_sync.scale.spec import check_fit, load_model, parse_rollout, parse_trainer
+from rollout_sync.shapes import model_tensors
 
 
 def run(capsys, *args: str) -> tuple[int, str, str]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from rollout_sync.sync.step_hook import StepHook
+from rollout_sync.trainer.step_hook import StepHook
 
 
 class Engine:

@@ -15,12 +15,12 @@ from hypothesis import strategies as st
 
 from rollout_sync.errors import LayoutError, NotAffineError, UnsupportedLayoutError
 from rollout_sync.layout.nesting import Layout, Shard, ShardBlock
+from rollout_sync.trainer.deepspeed_geometry import param_alignment_for, round_robin_order, zero12_flat_layout
 from rollout_sync.trainer.facts import LogicalPart, ParamFacts, TrainerFacts, ZeroGroup
 from rollout_sync.trainer.naming import autoep_expert_parts, fused_expert_parts, plain_parts
 from rollout_sync.trainer.placement import autoep_layout, autotp_layout, replicated_layout, single_layout
 from rollout_sync.trainer.refusals import EngineTraits, refuse_engine
 from rollout_sync.trainer.storage_maps import state_maps
-from rollout_sync.trainer.zero_geometry import param_alignment_for, round_robin_order, zero12_flat_layout
 
 # --------------------------------------------------------------------------------------------------------
 # DeepSpeed's ZeRO-1/2 flat geometry, as measured on a live engine (linear model 10-7-5-3, world 2)
@@ -421,8 +421,8 @@ TINY_MOE = {
 def test_dry_run_param_maps_equal_the_map_builders_and_every_state_addresses_deepspeed_buffers(
     config: dict, stage: int, dp: int, tp: int, ep: int
 ) -> None:
-    from rollout_sync.models import model_tensors, trainer_maps
-    from rollout_sync.trainer.dry_run import dry_run_facts
+    from rollout_sync.shapes import model_tensors, trainer_maps
+    from rollout_sync.trainer.shape_facts import dry_run_facts
 
     model = model_tensors(config)
     facts = dry_run_facts(model, stage, dp, tp, ep)
@@ -434,8 +434,8 @@ def test_dry_run_param_maps_equal_the_map_builders_and_every_state_addresses_dee
 
 
 def test_a_dry_run_of_a_tied_embedding_under_autotp_splits_it_like_lm_head() -> None:
-    from rollout_sync.models import model_tensors
-    from rollout_sync.trainer.dry_run import dry_run_facts
+    from rollout_sync.shapes import model_tensors
+    from rollout_sync.trainer.shape_facts import dry_run_facts
 
     facts = dry_run_facts(model_tensors({**TINY_DENSE, "tie_word_embeddings": True}), 2, 1, 2)
     (embed,) = (sm.map for sm in state_maps(facts, "param") if sm.map.name == "model.embed_tokens.weight")

@@ -11,12 +11,12 @@ from typing import Any
 
 import pytest
 
-from rollout_sync.models import model_tensors
 from rollout_sync.planning.by_layout import plan_model_by_layout
 from rollout_sync.planning.policy import Spread
 from rollout_sync.scale.dry_run import build_maps
 from rollout_sync.scale.spec import parse_rollout, parse_trainer
 from rollout_sync.scale.traffic import Topology, plan_traffic
+from rollout_sync.shapes import model_tensors
 from tests.harness.vllm_engines import VllmEngineSpec, shared_spec
 from tests.vllm.ep_workaround import ep_spec
 from tests.vllm.rollout_checks import canonical

@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 
 from rollout_sync.errors import PeerFailedError, ShapeMismatchError
-from rollout_sync.sync.trainer import TrainerSync
-from rollout_sync.testing.rank_pool import free_port
+from rollout_sync.trainer.hook import TrainerSync
+from testbed.rank_pool import free_port
 from tests.harness.vllm_engines import shared_spec
 from tests.harness.whole_trainer import VOCAB_TENSORS, connect_whole_trainer
 from tests.vllm.rollout_checks import snapshot

@@ -107,8 +107,8 @@ def test_the_probed_expert_parallel_maps_equal_the_pure_builders(run: Run):
     # ep == tp selects vLLM's enable_expert_parallel layout in the builder.
     import json
 
-    from rollout_sync.models.sides import vllm_target_maps
-    from rollout_sync.models.tensors import model_tensors
+    from rollout_sync.shapes.sides import vllm_target_maps
+    from rollout_sync.shapes.tensors import model_tensors
 
     config = json.loads((run.b / "config.json").read_text())
     built = {m.name for m in vllm_target_maps(model_tensors(config), 1, 2, ep=2)}

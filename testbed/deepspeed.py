@@ -125,7 +125,7 @@ def skip_shm_build_unless_asked() -> None:
 
 def init_distributed_from_env() -> None:
     """Initialise DeepSpeed's default (gloo) process group from ``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``,
-    ``WORLD_SIZE`` (as ``rollout_sync.testing.rank_pool`` and launchers set them)."""
+    ``WORLD_SIZE`` (as ``testbed.rank_pool`` and launchers set them)."""
     os.environ["DS_ACCELERATOR"] = "cpu"
     import deepspeed
     import torch.distributed as dist

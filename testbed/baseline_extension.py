@@ -7,9 +7,9 @@ them: the baseline does what an RL framework must do there, vLLM's ``initialize_
 the loads and ``finalize_layerwise_reload`` after them.
 
 ``BenchExtension`` is ``RolloutSyncExtension`` plus the baseline's two methods and a receive of ours wrapped
-in the same peak-memory measurement (``rollout_sync.testing.peak_memory``), so that both methods are measured
+in the same peak-memory measurement (``testbed.peak_memory``), so that both methods are measured
 alike inside the worker. Start the engine with
-``worker_extension_cls="vllm_plugin.baseline.BenchExtension"``.
+``worker_extension_cls="testbed.baseline_extension.BenchExtension"``.
 """
 
 from __future__ import annotations
@@ -19,9 +19,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from rollout_sync.errors import IncompleteUpdateError
-from rollout_sync.testing.peak_memory import PeakMemory
-
-from .extension import RolloutSyncExtension
+from testbed.peak_memory import PeakMemory
+from vllm_plugin.extension import RolloutSyncExtension
 
 __all__ = ["BenchExtension"]
 
@@ -98,8 +97,8 @@ class BenchExtension(RolloutSyncExtension):
 
     def rollout_sync_bench_pack(self, stand_in: bool) -> dict[str, int]:
         """How many dense linear layers vLLM packed (empty weight); with ``stand_in``, pack the others with
-        ``rollout_sync.testing.packing`` (on CPUs where vLLM keeps plain weights)."""
-        from rollout_sync.testing.packing import dense_linears, pack_linears
+        ``testbed.packing`` (on CPUs where vLLM keeps plain weights)."""
+        from testbed.packing import dense_linears, pack_linears
 
         model = self.model_runner.model  # type: ignore[attr-defined]
         linears = dense_linears(model)

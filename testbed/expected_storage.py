@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from ..layout.combine import alone
-from ..layout.maps import TensorMap
+from rollout_sync.layout.combine import alone
+from rollout_sync.layout.maps import TensorMap
 
 
 def extract(full: torch.Tensor, tmap: TensorMap, rank: int, *, fill: float = float("nan")) -> torch.Tensor:

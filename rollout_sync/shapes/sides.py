@@ -20,12 +20,10 @@ from collections.abc import Mapping, Sequence
 from math import prod
 
 from ..errors import LayoutError, UnsupportedLayoutError
-from ..layout.builders import (
-    autotp_shard_sizes,
-    replicated_layout,
-    replicated_map,
-    split_layout,
-    tp_zero_map,
+from ..layout.builders import replicated_layout, replicated_map, split_layout
+from ..layout.maps import TensorMap
+from ..layout.nesting import Layout, Shard, ShardStorage, Whole, nest
+from ..rollout.vllm_geometry import (
     vllm_column_map,
     vllm_expert_map,
     vllm_expert_owner,
@@ -34,10 +32,8 @@ from ..layout.builders import (
     vllm_replicated_map,
     vllm_row_map,
     vllm_vocab_map,
-    zero3_runs,
 )
-from ..layout.maps import TensorMap
-from ..layout.nesting import Layout, Shard, ShardStorage, Whole, nest
+from ..trainer.deepspeed_geometry import autotp_shard_sizes, tp_zero_map, zero3_runs
 from .tensors import LogicalTensor, ModelTensors
 
 __all__ = [

@@ -33,8 +33,8 @@ def build_checkpoint(kind: str, path: str | os.PathLike[str]) -> Path:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("ACCELERATE_", "LOCAL_", "RANK"))}
     code = (
         "import sys\n"
-        "from rollout_sync.testing.shaped_models import SHAPED_KINDS, make_shaped_model\n"
-        "from rollout_sync.testing.tiny_models import make_tiny_model\n"
+        "from testbed.shaped_models import SHAPED_KINDS, make_shaped_model\n"
+        "from testbed.tiny_models import make_tiny_model\n"
         "kind, path = sys.argv[1:]\n"
         "(make_shaped_model if kind in SHAPED_KINDS else make_tiny_model)(kind, path)\n"
     )

@@ -1,15 +1,15 @@
-"""``python -m rollout_sync.testing KIND PATH [--seed N]``: build one tiny checkpoint (no download)."""
+"""``python -m testbed KIND PATH [--seed N]``: build one tiny checkpoint (no download)."""
 
 from __future__ import annotations
 
 import argparse
 
-from rollout_sync.testing.tiny_models import TINY_KINDS, make_tiny_model
+from testbed.tiny_models import TINY_KINDS, make_tiny_model
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m rollout_sync.testing",
+        prog="python -m testbed",
         description="Build a tiny Qwen3 checkpoint locally (no download).",
     )
     parser.add_argument("kind", choices=TINY_KINDS)

@@ -19,9 +19,9 @@ import torch
 from ..handshake import ROLLOUT
 from ..layout.maps import TensorMap
 from ..planning.wire import encode_maps
+from ..sync.endpoint import Endpoint, SyncResult, resolve_token
 from ..transport import DEFAULT_STAGING_CAP_BYTES, ExecuteOptions
 from ..transport.executor import TargetStream
-from .endpoint import Endpoint, SyncResult, resolve_token
 
 
 class RolloutLink:
@@ -33,7 +33,7 @@ class RolloutLink:
         self.incomplete = False
         self.last_error: str | None = None
         self.updates_seen: int | None = None  # the owner's count of finished weight updates when the last
-        # sync began (``vllm_plugin.link``: another update in between makes the next sync a full one)
+        # sync began (``vllm_plugin.worker_link``: another update in between makes the next sync a full one)
         half = endpoint.half
         self.target_names: tuple[str, ...] = tuple(
             sorted({half.tensors[s.tensor].name for s in (*half.receives, *half.local)})

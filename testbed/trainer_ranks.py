@@ -40,8 +40,8 @@ def attach(
     delta: bool = False,
 ) -> int:
     """Attach rollout-sync to the engine (joins the handshake); returns this rank's global rank."""
-    from ..sync.trainer import TrainerSync
-    from ..transport import DEFAULT_STAGING_CAP_BYTES
+    from rollout_sync.trainer.hook import TrainerSync
+    from rollout_sync.transport import DEFAULT_STAGING_CAP_BYTES
 
     sync = TrainerSync.attach(
         ctx.state["engine"],

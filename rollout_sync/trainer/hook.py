@@ -11,7 +11,7 @@ describes its storage with ``rollout_sync.trainer.trainer_storage`` (no collecti
 and keeps the views of DeepSpeed's own buffers: a sync reads the buffers the engine trains, in place.
 
 Before every sync each rank checks that DeepSpeed still holds the buffers its views alias (a few
-microseconds per buffer, no collective; ``rollout_sync.sync.fresh_views``). After ``engine.load_checkpoint``
+microseconds per buffer, no collective; ``rollout_sync.trainer.fresh_views``). After ``engine.load_checkpoint``
 (which replaces the Adam states) or anything else that replaces a buffer, the views are re-derived when the
 layout is unchanged; otherwise every rank refuses the sync and this rank raises ``StaleStorageError``:
 re-attach.
@@ -29,11 +29,11 @@ from ..handshake import TRAINER, Coordinator
 from ..layout.maps import TensorMap
 from ..planning.policy import ReplicaPolicy
 from ..planning.wire import encode_maps
+from ..sync.coordination import Coordinated, coordinate, maps_digest
+from ..sync.endpoint import Endpoint, SyncResult, resolve_token
+from ..sync.roster import device_kind
 from ..transport import DEFAULT_STAGING_CAP_BYTES, ExecuteOptions
-from .coordination import Coordinated, coordinate, maps_digest
-from .endpoint import Endpoint, SyncResult, resolve_token
 from .fresh_views import FreshViews
-from .roster import device_kind
 from .step_hook import StepHook
 
 
@@ -83,7 +83,7 @@ class TrainerSync:
         keeps a copy of what it sent, ``SyncStats.delta_state_bytes``; decided by trainer rank 0)."""
         import torch.distributed as dist
 
-        from ..trainer.storage import watched_storage
+        from .storage import watched_storage
 
         # allow_gathered: after a training step ZeRO-3 keeps persistent parameters gathered; the maps and
         # views describe the partitions (ds_tensor) either way. A re-attach of a trained engine (after a
