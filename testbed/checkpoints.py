@@ -3,21 +3,26 @@ maps, so it can check a sync): every logical tensor under the name ``save_pretra
 
 ``full_logical_tensors(engine)`` is collective (every rank calls it): ZeRO-3 parameters are gathered with
 ``GatheredParameters``, AutoTP shards all-gathered over the TP group and concatenated along AutoTP's
-recorded ``partition_dim``, AutoEP packed experts all-gathered over the EP group and split into per-expert
-checkpoint keys (``w1`` gate, ``w3`` up, ``w2`` down; the router ``mlp.router.gate`` is ``mlp.gate``).
+recorded ``partition_dim``, AutoEP packed experts all-gathered over the EP group. ``logical_tensors`` then
+names them: AutoEP's packed experts split into per-expert checkpoint keys (``w1`` gate, ``w3`` up, ``w2``
+down) and its router ``mlp.router.gate`` renamed ``mlp.gate``, by the product's own translation
+(``rollout_sync.trainer.naming``; ``tests/deepspeed/test_trainer_storage.py`` checks it against a
+checkpoint ``save_pretrained`` wrote).
 """
 
 from __future__ import annotations
 
 import shutil
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 
-__all__ = ["full_logical_tensors", "save_checkpoint"]
+from rollout_sync.trainer.engine_parts import autoep_layers
+from rollout_sync.trainer.naming import autoep_expert_parts, autoep_router_name
 
-_EXPERT_KEYS = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+__all__ = ["full_logical_tensors", "logical_tensors", "save_checkpoint"]
 
 
 def _all_gather(local: torch.Tensor, group: Any) -> list[torch.Tensor]:
@@ -50,29 +55,37 @@ def _full_param(p: Any) -> torch.Tensor:
     return local
 
 
-def full_logical_tensors(engine: Any) -> dict[str, torch.Tensor]:
-    """Every logical tensor of the engine's low-precision weights (collective: call on every rank)."""
-    try:
-        from deepspeed.module_inject.auto_ep_layer import AutoEPMoELayer
-
-        layers = [n for n, m in engine.module.named_modules() if isinstance(m, AutoEPMoELayer)]
-    except ImportError:
-        layers = []
+def logical_tensors(module: torch.nn.Module, full: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The full parameters ``full`` of ``module`` (by parameter name) as logical tensors, under the names
+    ``save_pretrained`` writes, by ``rollout_sync.trainer.naming``: a parameter outside AutoEP layers is its
+    own logical tensor; an AutoEP router parameter takes the preset's router name; a packed expert
+    parameter ``[E, ...]`` is split into its per-expert tensors (copies)."""
+    layers = autoep_layers(module)
     out: dict[str, torch.Tensor] = {}
-    for name, p in engine.module.named_parameters():
-        full = _full_param(p)
+    for name, t in full.items():
         layer = next((ln for ln in layers if name.startswith(ln + ".")), None)
         if layer is None:
-            out[name] = full
+            out[name] = t
             continue
+        family = str(layers[layer].model_family)
         rest = name[len(layer) + 1 :]
-        if rest == "router.gate.weight":
-            out[f"{layer}.gate.weight"] = full
-        else:
-            key = _EXPERT_KEYS[rest.split(".")[-1]]
-            for e in range(full.shape[0]):
-                out[f"{layer}.experts.{e}.{key}.weight"] = full[e].clone()
+        if rest.startswith("router.gate."):
+            from deepspeed.module_inject.auto_ep_presets.registry import PRESET_MODELS
+
+            router = PRESET_MODELS[family].router_pattern
+            out[autoep_router_name(family, layer, router, rest[len("router.gate.") :])] = t
+            continue
+        for part in autoep_expert_parts(family, layer, rest.rsplit(".", 1)[-1], t.shape):
+            box = t[tuple(slice(o, o + e) for o, e in zip(part.origin, part.extent, strict=True))]
+            out[part.name] = box.reshape(part.shape).clone()
     return out
+
+
+def full_logical_tensors(engine: Any) -> dict[str, torch.Tensor]:
+    """Every logical tensor of the engine's low-precision weights (collective: call on every rank)."""
+    return logical_tensors(
+        engine.module, {name: _full_param(p) for name, p in engine.module.named_parameters()}
+    )
 
 
 def save_checkpoint(tensors: dict[str, torch.Tensor], model_dir: str | Path, out: str | Path) -> Path:

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from rollout_sync.rollout.apply import DerivedCopy, covered_ranges, uncovered_ranges
-from rollout_sync.rollout.probe import StorageView
+from rollout_sync.rollout.storage_view import StorageView
 
 __all__ = ["derived_copies"]
 

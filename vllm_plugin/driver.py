@@ -14,7 +14,7 @@ from typing import Any
 
 from rollout_sync.errors import PeerFailedError
 from rollout_sync.rollout.codec import local_targets_from_dict
-from rollout_sync.rollout.probe import DEFAULT_MAX_PIECES
+from rollout_sync.rollout.landing_maps import DEFAULT_MAX_PIECES
 from rollout_sync.rollout.targets import RolloutTargets, assemble
 
 from .calls import call

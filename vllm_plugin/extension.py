@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from rollout_sync.errors import IncompleteUpdateError
-from rollout_sync.rollout.probe import DEFAULT_MAX_PIECES
+from rollout_sync.rollout.landing_maps import DEFAULT_MAX_PIECES
 
 from .worker_state import RolloutWorker
 

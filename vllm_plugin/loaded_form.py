@@ -41,7 +41,7 @@ import torch
 
 from rollout_sync.errors import UnsupportedLayoutError
 from rollout_sync.rollout.apply import covered_ranges, uncovered_ranges
-from rollout_sync.rollout.probe import StorageView
+from rollout_sync.rollout.storage_view import StorageView
 
 __all__ = ["LoadedForms", "transformed_layers"]
 

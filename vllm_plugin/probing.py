@@ -5,7 +5,7 @@ zero-memory probe ``arange(1, n_d + 1)`` broadcast along ``d`` (``expand``, no c
 parameters' ``.data`` are temporarily swapped for float tensors filled with ``-1``. Whatever element of a
 parameter no longer holds ``-1`` was written by the loader, and its value is the logical coordinate (+1)
 along ``d``. Index 0 is never a probe value, because vocab loaders zero-fill padding rows. The
-observations (``rollout_sync.rollout.probe.Landing``: one logical linear index per element of the
+observations (``rollout_sync.rollout.landings.Landing``: one logical linear index per element of the
 parameter's written window, accumulated over the probed dimensions a chunk at a time by
 ``LandingBuilder``) are turned into maps by pure code, one tensor at a time, as soon as it is probed.
 
@@ -31,7 +31,8 @@ from typing import Any
 import torch
 
 from rollout_sync.errors import NotAffineError
-from rollout_sync.rollout.probe import CHUNK, Landing, LandingBuilder
+from rollout_sync.layout.dtypes import dtype_name
+from rollout_sync.rollout.landings import CHUNK, Landing, LandingBuilder
 
 __all__ = ["Observation", "ProbeResult", "probe_model", "put_parameter", "stack_key", "stand_in"]
 
@@ -67,10 +68,6 @@ def stack_key(name: str) -> tuple[str, int] | None:
         if part.isdigit():
             return ".".join(parts[:i]), int(part)
     return None
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 def stand_in(p: torch.nn.Parameter, data: torch.Tensor) -> torch.nn.Parameter:
@@ -270,7 +267,7 @@ def probe_model(
     swap = _Swap(model, params, probe_dtype, meta_device)
 
     def report(name: str, landings: list[Landing] | None, error: str | None) -> None:
-        dtype = _dtype_name(swap.real[landings[0].param].dtype) if landings else None  # not the probe dtype
+        dtype = dtype_name(swap.real[landings[0].param].dtype) if landings else None  # not the probe dtype
         if error is not None:
             result.errors[name] = error
         elif landings:

@@ -25,11 +25,11 @@ from typing import Any
 import torch
 
 from rollout_sync.errors import LayoutError, TargetMismatchError
+from rollout_sync.layout.dtypes import dtype_name
 from rollout_sync.rollout.check import check_targets, target_differences
-from rollout_sync.rollout.probe import LocalTargets, TargetsBuilder
+from rollout_sync.rollout.local_targets import LocalTargets, TargetsBuilder
 from rollout_sync.rollout.shape_targets import shape_targets
 from rollout_sync.shapes.tensors import model_tensors
-from rollout_sync.transport.local_check import dtype_name
 
 __all__ = ["MAPS_MODES", "find_targets"]
 

@@ -33,7 +33,7 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from rollout_sync.errors import IncompleteUpdateError
-from rollout_sync.rollout.probe import DEFAULT_MAX_PIECES
+from rollout_sync.rollout.landing_maps import DEFAULT_MAX_PIECES
 
 from .worker_state import RolloutWorker
 

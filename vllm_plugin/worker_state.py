@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from rollout_sync.errors import IncompleteUpdateError, UnsupportedLayoutError
+from rollout_sync.layout.dtypes import dtype_name
 from rollout_sync.rollout.apply import (
     DerivedCopy,
     UpdateSession,
@@ -40,7 +41,8 @@ from rollout_sync.rollout.apply import (
 )
 from rollout_sync.rollout.checkpoint import logical_tensors, read_tensors
 from rollout_sync.rollout.codec import local_targets_to_dict
-from rollout_sync.rollout.probe import DEFAULT_MAX_PIECES, LocalTargets, fallback_map
+from rollout_sync.rollout.landing_maps import DEFAULT_MAX_PIECES
+from rollout_sync.rollout.local_targets import LocalTargets, fallback_map
 
 from .loaded_form import LoadedForms
 
@@ -132,7 +134,7 @@ class RolloutWorker:
         else:
             shapes = {str(n): tuple(int(x) for x in s) for n, s in tensors.items()}
         forms = LoadedForms.find(model)
-        model_dtype = str(vllm_config.model_config.dtype).removeprefix("torch.")
+        model_dtype = dtype_name(vllm_config.model_config.dtype)
         with forms.probing():  # transformed layers in their loaded form while the loaders are read
             targets, report = find_targets(
                 model,

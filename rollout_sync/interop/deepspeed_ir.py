@@ -30,7 +30,7 @@ from typing import Any
 from ..errors import LayoutError, OutOfBoundsError, ShapeMismatchError, UnsupportedLayoutError
 from ..layout.box import Box, row_major_strides
 from ..layout.maps import Piece, RankStorage, TensorMap
-from ..planning.plan import Segment
+from ..planning.records import Segment
 
 __all__ = ["from_deepspeed", "segments_from_deepspeed", "to_deepspeed"]
 

@@ -16,7 +16,8 @@ from collections.abc import Sequence
 
 from ..errors import LayoutError
 from .maps import TensorMap
-from .nesting import Layout, Shard, ShardBlock, Whole, nest
+from .nesting import nest
+from .shards import Layout, Shard, ShardBlock, Whole
 
 __all__ = [
     "even_sizes",

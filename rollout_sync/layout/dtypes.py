@@ -4,6 +4,11 @@ Maps and plans carry dtypes as these names so that pure code never imports torch
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
 ITEMSIZE: dict[str, int] = {
     "float64": 8,
     "float32": 4,
@@ -26,6 +31,11 @@ ITEMSIZE: dict[str, int] = {
     "uint8": 1,
     "bool": 1,
 }
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The name of a torch dtype as maps and plans carry it (``torch.bfloat16`` -> ``"bfloat16"``)."""
+    return str(dtype).removeprefix("torch.")
 
 
 def itemsize(dtype: str) -> int:

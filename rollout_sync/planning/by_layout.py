@@ -23,10 +23,11 @@ from collections.abc import Sequence
 from ..errors import PlanMismatchError
 from ..layout.maps import TensorMap
 from .map_pairs import LayoutKey, SharedLayouts, matched_pairs, planned_tensor
-from .plan import Plan, PlannedTensor
+from .plan import Plan
 from .planner import plan_model
 from .policy import ReplicaPolicy
 from .rank_half import require_local
+from .records import PlannedTensor
 
 __all__ = ["plan_model_by_layout"]
 

@@ -15,7 +15,8 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .plan import Plan, PlannedTensor
+    from .plan import Plan
+    from .records import PlannedTensor
 
 MAGIC = b"RSYNC"
 WIRE_VERSION = 1

@@ -14,7 +14,7 @@ from operator import attrgetter
 from ..errors import CoverageError, HoleError, LayoutError, ShapeMismatchError
 from ..layout.maps import TensorMap
 from ..layout.sweep import first_uncovered
-from .plan import PlannedTensor
+from .records import PlannedTensor
 
 __all__ = [
     "LayoutKey",

@@ -38,8 +38,9 @@ from ..layout.sweep import overlapping_pairs
 from ..layout.validate import Address, Region
 from .map_pairs import check_shapes, check_target_covers, matched_pairs, planned_tensor
 from .merge import Raw
-from .plan import Plan, PlannedTensor, Segment
+from .plan import Plan
 from .policy import Balanced, ReplicaPolicy, ReplicaRequest, check_choice
+from .records import PlannedTensor, Segment
 from .segments import intersection, sorted_rows
 
 __all__ = ["plan_model", "plan_tensor"]
@@ -161,7 +162,7 @@ _Entry = tuple[
 
 
 def _plan_records(source: TensorMap, target: TensorMap, chooser: _Chooser) -> list[tuple[int, ...]]:
-    """Sorted flat records (see ``rollout_sync.planning.plan``) of one tensor."""
+    """Sorted flat records (see ``rollout_sync.planning.records``) of one tensor."""
     return _emit(target.name, len(target.shape), _geometry(source, target), chooser, ITEMSIZE[source.dtype])
 
 

@@ -41,16 +41,17 @@ from ..layout.dtypes import ITEMSIZE
 from ..layout.maps import TensorMap
 from ..layout.sweep import overlapping_pairs
 from ..layout.validate import Address, Region
+from .half import PlanHalf
 from .map_pairs import LayoutKey, SharedLayouts, choice_free, matched_pairs, planned_tensor
 from .merge import Raw
-from .plan import PlanHalf, PlannedTensor, Segment
 from .policy import ReplicaPolicy, ReplicaRequest, check_choice
+from .records import PlannedTensor, Segment
 from .segments import intersection, sorted_rows
 
 __all__ = ["RankHalf", "choice_free", "matched_pairs", "plan_rank_half", "require_local"]
 
 
-Row = tuple[int, ...]  # one flat segment record (``rollout_sync.planning.plan`` layout)
+Row = tuple[int, ...]  # one flat segment record (``rollout_sync.planning.records`` layout)
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,7 +174,7 @@ def _rank_rows(
     choose: Callable[[ReplicaRequest], int] | None,
     memo: dict[int, tuple[tuple[Address, ...], tuple[int, ...], dict[int, Address]]],
 ) -> list[Row]:
-    """Sorted flat records (``rollout_sync.planning.plan`` layout) of one tensor's segments that ``rank``
+    """Sorted flat records (``rollout_sync.planning.records`` layout) of one tensor's segments that ``rank``
     sends or receives."""
     name = target.name
     src = source.regions

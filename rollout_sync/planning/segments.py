@@ -26,7 +26,7 @@ def intersection(
 
 
 def sorted_rows(raw: list[Raw], ndim: int) -> list[tuple[int, ...]]:
-    """A tensor's flat records (``rollout_sync.planning.plan`` layout) from its raw segments: merged
+    """A tensor's flat records (``rollout_sync.planning.records`` layout) from its raw segments: merged
     (``merge_segments``), then sorted by target rank, target offset, source rank, source offset."""
     merged = merge_segments(raw, ndim)
     rows = [(r[0], r[1], r[3], r[4], *r[2], *r[5], *r[7]) for r in merged]

@@ -12,7 +12,7 @@ Bodies:
 - plan: ``u32`` JSON length, JSON ``{"tables": [[[rank, storage_shape], ...], ...], "tensors": [[name,
   shape, source_dtype, target_dtype, source_table, target_table, segment_count], ...]}`` (storage tables
   are written once and referenced by index), then every tensor's segment records
-  (``rollout_sync.planning.plan``) as little-endian int64, tensor after tensor;
+  (``rollout_sync.planning.records``) as little-endian int64, tensor after tensor;
 - half: ``u32`` JSON length, JSON ``{"rank", "digest", "table": {... as in a plan, counts 0 ...},
   "counts": [sends, receives, local]}``, then the segments as little-endian int64 records each prefixed by
   its tensor index.
@@ -50,7 +50,9 @@ from .canonical import (
     plan_digest,
     tensor_table_json,
 )
-from .plan import Plan, PlanHalf, PlannedTensor, Segment, check_segment, record_width
+from .half import PlanHalf
+from .plan import Plan
+from .records import PlannedTensor, Segment, check_segment, record_width
 
 MAX_BODY_BYTES = 1 << 31
 

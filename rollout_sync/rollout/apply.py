@@ -25,7 +25,7 @@ import torch
 
 from ..errors import IncompleteUpdateError, OutOfBoundsError, UnsupportedLayoutError
 from ..layout.maps import Piece, RankStorage
-from .probe import StorageView
+from .storage_view import StorageView
 
 __all__ = [
     "DerivedCopy",

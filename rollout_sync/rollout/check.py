@@ -28,7 +28,8 @@ from ..errors import TargetMismatchError
 from ..layout.box import Box, row_major_strides
 from ..layout.maps import RankStorage, TensorMap
 from ..layout.sweep import first_overlap, first_uncovered
-from .probe import LocalTargets, StorageView
+from .local_targets import LocalTargets
+from .storage_view import StorageView
 
 __all__ = ["LoaderTrace", "TracedCopy", "canonical_map", "check_targets", "target_differences"]
 

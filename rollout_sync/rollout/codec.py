@@ -10,7 +10,8 @@ from typing import Any
 from ..errors import WireFormatError
 from ..layout.box import Box
 from ..layout.maps import Piece, RankStorage, TensorMap
-from .probe import LocalTargets, StorageView
+from .local_targets import LocalTargets
+from .storage_view import StorageView
 
 __all__ = ["CODEC_VERSION", "local_targets_from_dict", "local_targets_to_dict"]
 

@@ -21,7 +21,7 @@ from ..layout.maps import TensorMap
 from ..planning.wire import encode_maps
 from ..sync.endpoint import Endpoint, SyncResult, resolve_token
 from ..transport import DEFAULT_STAGING_CAP_BYTES, ExecuteOptions
-from ..transport.executor import TargetStream
+from ..transport.targets import TargetStream
 
 
 class RolloutLink:

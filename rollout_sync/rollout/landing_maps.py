@@ -1,10 +1,8 @@
-"""Target maps from the observations of a loader probe (pure: no vLLM, no torch).
+"""Target maps from the landings of a loader probe (pure: no vLLM, no torch).
 
-A *loader probe* (``vllm_plugin.probing``) feeds vLLM's own ``load_weights`` one logical tensor at a time,
-filled with its coordinates along one dimension (values ``1..n``, never 0), into parameters whose data were
-swapped for ``-1``-filled float32 tensors, and reads back which element of which parameter received which
-logical element. That observation is a ``Landing``. This module turns the landings of one rank into that
-rank's part of the target map, and says where the storage lives (``StorageView``).
+A ``Landing`` (``landings``) says which logical element of a tensor the loader wrote where in one
+parameter. This module turns the landings of one tensor on one rank into that rank's part of its target
+map and the ``StorageView`` of its storage (``target_map``); ``local_targets`` does so for every tensor.
 
 Rule for the storage of one logical tensor on one rank (the planner wants exactly one storage per tensor
 and rank, tiled exactly by its pieces):
@@ -19,10 +17,10 @@ and rank, tiled exactly by its pieces):
   transposed copy is fine) or dense runs of a flat one (``rollout_sync.layout.validate``).
 
 Anything else (values that are not the probe's coordinates, elements written twice, a landing in two
-parameters, a hole, reversed or permuted elements) means the loader transforms what it copies, or scatters
-it in a way no single storage view describes; such a tensor is *refused* for in-place writes and goes
-through vLLM's full-tensor ``load_weights`` path instead (``fallback_map``). The rule covers fused qkv and
-gate_up, row- and column-parallel shards, vocab shards without their padding rows, replicated tensors and
+parameters, a hole, reversed or permuted elements) means the loader transforms what it copies, or scatters it
+in a way no single storage view describes; such a tensor is *refused* for in-place writes and goes through
+vLLM's full-tensor ``load_weights`` path instead (``local_targets.fallback_map``). The rule covers fused qkv
+and gate_up, row- and column-parallel shards, vocab shards without their padding rows, replicated tensors and
 MoE experts split by TP or EP: in each the tensor's elements are one run of its parameter. A loader that
 interleaves a tensor with another in one parameter (no single run without holes) is refused rather than
 described by several storages: the planner does not take several storages per (tensor, rank).
@@ -35,8 +33,7 @@ an expert's slab of ``w2_weight`` gives the slab's shape), the first piece's ext
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterator, Sequence
 from math import prod
 
 import numpy as np
@@ -44,234 +41,12 @@ import numpy as np
 from ..errors import LayoutError, NotAffineError, OutOfBoundsError, UnsupportedLayoutError
 from ..layout.box import Box, row_major_strides
 from ..layout.maps import Piece, RankStorage, TensorMap
+from .landings import CHUNK, Landing
+from .storage_view import StorageView
 
-__all__ = [
-    "CHUNK",
-    "DEFAULT_MAX_PIECES",
-    "FILLED",
-    "HOLE",
-    "Landing",
-    "LandingBuilder",
-    "LocalTargets",
-    "StorageView",
-    "TargetsBuilder",
-    "data_range",
-    "fallback_map",
-    "local_targets",
-    "target_map",
-]
+__all__ = ["DEFAULT_MAX_PIECES", "data_range", "target_map"]
 
 DEFAULT_MAX_PIECES = 64
-
-
-@dataclass(frozen=True, slots=True)
-class StorageView:
-    """Where the storage of one logical tensor lives on one rank.
-
-    ``param`` names a parameter of the vLLM model (``model.named_parameters()``); the storage is elements
-    ``[offset, offset + numel)`` of that (contiguous) parameter's flattening, viewed with ``shape``:
-    ``param.data.view(-1)[offset : offset + numel].view(shape)``. ``param is None`` means a staging buffer
-    of the logical tensor's shape (``offset`` 0), filled by the sync and then handed to vLLM's
-    ``load_weights`` (the fallback for refused loaders).
-    """
-
-    param: str | None
-    offset: int
-    shape: tuple[int, ...]
-
-    @property
-    def numel(self) -> int:
-        return prod(self.shape)
-
-    def to_dict(self) -> dict[str, object]:
-        return {"param": self.param, "offset": self.offset, "shape": list(self.shape)}
-
-    @staticmethod
-    def from_dict(data: Mapping[str, object]) -> StorageView:
-        param = data["param"]
-        offset = data["offset"]
-        shape = data["shape"]
-        if (
-            (param is not None and not isinstance(param, str))
-            or not isinstance(offset, int)
-            or not isinstance(shape, (list, tuple))
-        ):
-            raise ValueError(f"malformed storage view {dict(data)!r}")
-        return StorageView(param, offset, tuple(int(s) for s in shape))
-
-
-HOLE = -2  # ``Landing.linear``: the loader wrote nothing at this position
-FILLED = -1  # ``Landing.linear``: the loader wrote zeros here (padding rows of a vocab shard)
-CHUNK = 1 << 21  # elements handled at once when scanning a landing (bounds temporaries to a few dozen MB)
-_EMPTY_PROBE = -1.0  # what a probe buffer holds where the loader wrote nothing
-
-
-@dataclass(frozen=True)
-class Landing:
-    """What one probe observed: elements of one logical tensor written into one parameter.
-
-    The observation covers the *window* ``[start, start + len(linear))`` of the parameter's row-major
-    flattening (``param_shape``), from its first to its last written element: ``linear[i]`` is the
-    row-major linear index, in the logical tensor, of the element found at position ``start + i``, or
-    ``FILLED`` where the loader wrote zeros (padding), or ``HOLE`` where it wrote nothing. One integer per
-    element of the window (int32 when the tensor has under 2**31 elements), built a chunk at a time by
-    ``LandingBuilder``: a 77.8M-element vocab shard costs 311 MB, not the gigabytes of per-element
-    coordinate arrays.
-    """
-
-    param: str
-    param_shape: tuple[int, ...]
-    param_contiguous: bool
-    start: int
-    linear: np.ndarray  # (window,) int32 or int64
-
-
-def linear_dtype(shape: tuple[int, ...]) -> type[np.signedinteger]:
-    """The integer type of ``Landing.linear`` for a logical tensor of this shape."""
-    return np.int32 if prod(shape) < 2**31 else np.int64
-
-
-class LandingBuilder:
-    """Builds one ``Landing`` from the probe values seen in one parameter's window, one probed dimension
-    and one chunk at a time, checking as it goes that the loader only copies (pure: numpy arrays in).
-
-    ``add(dim, offset, values)`` takes the probe values found at window positions ``offset ...`` when
-    dimension ``dim`` was probed (``-1`` where nothing was written); dimension 0 first. A value that is not
-    a coordinate (1..n along ``dim``), a zero where other probes wrote a coordinate, or an element written
-    for one dimension's probe and not another's raises ``NotAffineError``: the loader transforms values or
-    places them by value. ``written_outside(dim, count)`` reports elements written outside the window
-    (there must be none: the window comes from dimension 0).
-    """
-
-    def __init__(
-        self,
-        tensor: str,
-        shape: tuple[int, ...],
-        rank: int,
-        *,
-        param: str,
-        param_shape: tuple[int, ...],
-        param_contiguous: bool,
-        start: int,
-        stop: int,
-    ) -> None:
-        self.tensor = tensor
-        self.shape = tuple(shape)
-        self.rank = rank
-        self.param = param
-        self.param_shape = tuple(param_shape)
-        self.param_contiguous = param_contiguous
-        self.start = start
-        self.linear = np.full(stop - start, HOLE, dtype=linear_dtype(self.shape))
-        self.strides = row_major_strides(self.shape)
-        self.done: list[int] = []  # dimensions fully added, in order
-
-    def _error(self, reason: str, found: str) -> NotAffineError:
-        limits = f"integers 1..{list(self.shape)} per dimension" if self.shape else "the value 1"
-        return NotAffineError(
-            reason, tensor=self.tensor, rank=self.rank, expected=f"probe coordinates: {limits}", found=found
-        )
-
-    def add(self, dim: int, offset: int, values: np.ndarray) -> None:
-        values = np.asarray(values).reshape(-1)
-        cur = self.linear[offset : offset + values.shape[0]]
-        if cur.shape[0] != values.shape[0]:
-            raise LayoutError(
-                "probe values run past the window",
-                tensor=self.tensor,
-                rank=self.rank,
-                expected=f"at most {self.linear.shape[0] - offset} values at offset {offset}",
-                found=values.shape[0],
-            )
-        hole = values == _EMPTY_PROBE
-        zero = values == 0
-        if dim == 0:
-            cur[zero] = FILLED
-            data = ~(hole | zero)
-        else:
-            if not np.array_equal(hole, cur == HOLE):
-                i = int(np.argmax(hole != (cur == HOLE)))
-                raise self._error(
-                    f"probing dimension {dim} wrote other elements than probing dimension 0: the loader's "
-                    "placement depends on the values (it transforms them)",
-                    f"element {self.start + offset + i} of parameter {self.param!r}",
-                )
-            if not np.array_equal(zero, cur == FILLED):
-                i = int(np.argmax(zero != (cur == FILLED)))
-                raise self._error(
-                    "the loader zeroes some probes of an element and not others: it transforms values",
-                    f"element {self.start + offset + i} of parameter {self.param!r}",
-                )
-            data = cur >= 0
-        got = values[data]
-        limit = self.shape[dim] if self.shape else 1
-        bad = (got != np.round(got)) | (got < 1) | (got > limit)
-        if bad.any():
-            i = int(np.flatnonzero(data)[int(np.argmax(bad))])
-            raise self._error(
-                "the loader transforms values (quantization, scaling, arithmetic): a probe value is not a "
-                "coordinate",
-                f"{float(values[i])} for dimension {dim} at element {self.start + offset + i} of parameter "
-                f"{self.param!r}",
-            )
-        stride = self.strides[dim] if self.shape else 0
-        term = (got.astype(self.linear.dtype) - 1) * self.linear.dtype.type(stride)
-        if dim == 0:
-            cur[data] = term
-        else:
-            cur[data] += term
-
-    def dimension_done(self, dim: int) -> None:
-        if dim != len(self.done):
-            raise LayoutError(
-                "probe dimensions out of order",
-                tensor=self.tensor,
-                rank=self.rank,
-                expected=len(self.done),
-                found=dim,
-            )
-        self.done.append(dim)
-
-    def written_outside(self, dim: int, count: int) -> None:
-        if count:
-            raise self._error(
-                f"probing dimension {dim} wrote elements outside the range probing dimension 0 wrote: the "
-                "loader's placement depends on the values (it transforms them)",
-                f"{count} elements of parameter {self.param!r}",
-            )
-
-    def landing(self) -> Landing:
-        if len(self.done) != max(len(self.shape), 1):
-            raise LayoutError(
-                "a landing was finished before every dimension was probed",
-                tensor=self.tensor,
-                rank=self.rank,
-                expected=max(len(self.shape), 1),
-                found=len(self.done),
-            )
-        return Landing(self.param, self.param_shape, self.param_contiguous, self.start, self.linear)
-
-
-@dataclass(frozen=True)
-class LocalTargets:
-    """One rank's part of the target maps.
-
-    ``maps[name]`` has the single rank ``rank`` (holders are filled in when the parts are merged);
-    ``views[name]`` locates its storage; ``refused[name]`` gives the reason a tensor takes the full-tensor
-    path (its map is a staging buffer, ``views[name].param is None``); ``absent`` lists tensors this rank
-    does not hold (expert parallelism, or tensors the loaders ignore such as an alias of a tied weight).
-    """
-
-    rank: int
-    maps: Mapping[str, TensorMap]
-    views: Mapping[str, StorageView]
-    refused: Mapping[str, str]
-    absent: tuple[str, ...]
-
-
-# ----------------------------------------------------------------------------------------------------------
-# One landing -> storage view and pieces
-# ----------------------------------------------------------------------------------------------------------
 
 
 def _chunks(n: int, size: int = CHUNK) -> Iterator[slice]:
@@ -600,73 +375,3 @@ def _storage_shapes(
         if candidate not in unique:
             unique.append(candidate)
     return unique
-
-
-def fallback_map(tensor: str, shape: tuple[int, ...], dtype: str, rank: int) -> tuple[TensorMap, StorageView]:
-    """The map part of a refused tensor: a staging buffer of the whole logical tensor on this rank."""
-    box = Box((0,) * len(shape), tuple(shape))
-    storage = RankStorage(tuple(shape), (Piece(box, 0, row_major_strides(tuple(shape)), (rank,)),))
-    return TensorMap(tensor, tuple(shape), dtype, {rank: storage}), StorageView(None, 0, tuple(shape))
-
-
-class TargetsBuilder:
-    """One rank's part of every target map, a tensor at a time, so that a tensor's landings can be dropped
-    as soon as its map is built (the probe of a whole model never holds more than one tensor's landings).
-
-    ``add(name, shape, dtype, landings, error)``: ``dtype`` is that of the parameter the tensor lands in;
-    ``error`` the message of a loader that raised while probing (the tensor is refused). A tensor with no
-    landing and no error is absent from this rank.
-    """
-
-    def __init__(self, rank: int, *, fallback_dtype: str, max_pieces: int = DEFAULT_MAX_PIECES) -> None:
-        self.rank = rank
-        self.fallback_dtype = fallback_dtype
-        self.max_pieces = max_pieces
-        self.maps: dict[str, TensorMap] = {}
-        self.views: dict[str, StorageView] = {}
-        self.refused: dict[str, str] = {}
-        self.absent: list[str] = []
-
-    def add(
-        self,
-        name: str,
-        shape: tuple[int, ...],
-        dtype: str,
-        landings: Sequence[Landing] = (),
-        error: str | None = None,
-    ) -> None:
-        reason = error
-        if reason is None:
-            try:
-                got = target_map(name, shape, dtype, landings, self.rank, max_pieces=self.max_pieces)
-            except LayoutError as exc:
-                reason = str(exc)
-            else:
-                if got is None:
-                    self.absent.append(name)
-                else:
-                    self.maps[name], self.views[name] = got
-                return
-        self.refused[name] = reason
-        self.maps[name], self.views[name] = fallback_map(name, shape, self.fallback_dtype, self.rank)
-
-    def build(self) -> LocalTargets:
-        return LocalTargets(
-            self.rank, dict(self.maps), dict(self.views), dict(self.refused), tuple(self.absent)
-        )
-
-
-def local_targets(
-    rank: int,
-    tensors: Mapping[str, tuple[tuple[int, ...], str]],
-    landings: Mapping[str, Sequence[Landing]],
-    probe_errors: Mapping[str, str],
-    *,
-    fallback_dtype: str,
-    max_pieces: int = DEFAULT_MAX_PIECES,
-) -> LocalTargets:
-    """One rank's part of every target map (``TargetsBuilder`` over ``tensors[name] = (shape, dtype)``)."""
-    builder = TargetsBuilder(rank, fallback_dtype=fallback_dtype, max_pieces=max_pieces)
-    for name, (shape, dtype) in tensors.items():
-        builder.add(name, shape, dtype, landings.get(name, ()), probe_errors.get(name))
-    return builder.build()

@@ -3,8 +3,8 @@
 The fast path of setup: ``vllm_target_maps`` (the arithmetic of vLLM's loaders: output partition sizes, TP
 rank, vocab padding, expert placement) gives each tensor's boxes and storage shape on this worker;
 ``vllm_param_views`` gives the parameter and offset of each storage. The result has exactly the form the
-loader probe produces (``probe.LocalTargets``: one rank, holders this rank alone) and is confirmed on the
-live engine by ``check.check_targets`` before it is used.
+loader probe produces (``local_targets.LocalTargets``: one rank, holders this rank alone) and is confirmed
+on the live engine by ``check.check_targets`` before it is used.
 """
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ from ..errors import UnsupportedLayoutError
 from ..layout.maps import Piece, RankStorage, TensorMap
 from ..shapes.sides import vllm_param_views, vllm_target_maps
 from ..shapes.tensors import ModelTensors
-from .probe import LocalTargets, StorageView
+from .local_targets import LocalTargets
+from .storage_view import StorageView
 
 __all__ = ["shape_targets"]
 

@@ -19,7 +19,8 @@ from ..layout.box import Box
 from ..layout.combine import merge
 from ..layout.maps import TensorMap
 from ..layout.sweep import first_overlap, first_uncovered
-from .probe import LocalTargets, StorageView
+from .local_targets import LocalTargets
+from .storage_view import StorageView
 
 __all__ = ["RolloutTargets", "assemble", "check_engine_coverage"]
 

@@ -44,7 +44,8 @@ from collections.abc import Sequence
 from ..errors import LayoutError
 from ..layout.builders import replicated_layout, split_layout
 from ..layout.maps import TensorMap
-from ..layout.nesting import Layout, Shard, ShardStorage, Whole, nest
+from ..layout.nesting import nest
+from ..layout.shards import Layout, Shard, ShardStorage, Whole
 
 # ----------------------------------------------------------------------------------------------------------
 # vLLM targets. ``engine_ranks[k]`` lists engine k's workers' global ranks in TP-rank order; the same

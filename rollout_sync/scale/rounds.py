@@ -11,8 +11,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..planning.plan import PlanHalf
-from ..transport.schedule import ALIGN, MIN_MESSAGE_BYTES, build_schedule, peers_of
+from ..planning.half import PlanHalf
+from ..transport.messages import ALIGN, MIN_MESSAGE_BYTES
+from ..transport.schedule import build_schedule, peers_of
 from .sync_model import RankWork, rank_work
 from .traffic import Traffic
 

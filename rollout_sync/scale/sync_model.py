@@ -33,7 +33,7 @@ from math import prod
 from typing import TYPE_CHECKING
 
 from ..layout.dtypes import ITEMSIZE
-from ..planning.plan import PlanHalf
+from ..planning.half import PlanHalf
 
 if TYPE_CHECKING:  # the transport package imports torch; the model itself is pure
     from ..transport.schedule import Schedule

@@ -41,7 +41,8 @@ from math import prod
 from ..errors import DryRunSpecError
 from ..layout.dtypes import ITEMSIZE
 from ..layout.maps import TensorMap
-from ..planning.plan import Plan, record_width
+from ..planning.plan import Plan
+from ..planning.records import record_width
 
 __all__ = [
     "DEFAULT_INTER_GBPS",

@@ -22,7 +22,8 @@ from math import prod
 from ..errors import LayoutError, UnsupportedLayoutError
 from ..layout.builders import replicated_layout, replicated_map, split_layout
 from ..layout.maps import TensorMap
-from ..layout.nesting import Layout, Shard, ShardStorage, Whole, nest
+from ..layout.nesting import nest
+from ..layout.shards import Layout, Shard, ShardStorage, Whole
 from ..rollout.vllm_geometry import (
     vllm_column_map,
     vllm_expert_map,

@@ -19,13 +19,13 @@ import torch
 
 from ..errors import HandshakeError, PeerFailedError, PlanMismatchError, RolloutSyncError, SyncTimeoutError
 from ..handshake import Peer
-from ..planning.plan import PlanHalf
+from ..planning.half import PlanHalf
 from ..planning.wire import decode_half
 from ..transport import ExecuteOptions, Executor, SyncStats
-from ..transport.executor import TargetStream
 from ..transport.groups import connect_store, new_group
 from ..transport.in_process import InProcess
 from ..transport.shared_memory import SameHost
+from ..transport.targets import TargetStream
 from .commit import commit
 from .roster import RosterEntry, blame, decode_roster, in_process_peers, same_host_peers, this_process
 

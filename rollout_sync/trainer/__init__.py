@@ -5,9 +5,11 @@ Pure modules (no torch): ``facts`` (layout facts), ``deepspeed_geometry`` (ZeRO-
 partitions, AutoTP shard sizes), ``placement`` (TP/EP placements from DeepSpeed's descriptions),
 ``naming`` (logical tensor names), ``storage_maps`` (facts to maps), ``shape_facts`` (the facts an engine
 would hold, from a model's shape table and a layout description), ``refusals``. Live modules: ``read_engine``
-(facts and buffers of an engine), ``views``, ``storage`` (entry points), ``freshness`` and ``fresh_views``
-(views kept valid between syncs), ``step_hook`` and ``hook`` (``TrainerSync``). The live modules import
-torch; DeepSpeed is imported only when an engine is read.
+(facts and buffers of an engine), built on ``engine_checks`` (the refusals read from an engine),
+``placement_reader`` (AutoTP/AutoEP placements), ``zero_positions`` (this rank's buffers and their ZeRO-1/2/3
+flat positions) and ``engine_parts`` (groups, AutoEP layers, ZeRO-3 parameters); ``views``, ``storage``
+(entry points), ``freshness`` and ``fresh_views`` (views kept valid between syncs), ``step_hook`` and
+``hook`` (``TrainerSync``). The live modules import torch; DeepSpeed is imported only when an engine is read.
 """
 
 from .facts import STATES, LogicalPart, ParamFacts, TrainerFacts, ZeroGroup

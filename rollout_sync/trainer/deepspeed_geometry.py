@@ -33,7 +33,8 @@ from math import gcd, prod
 from ..errors import LayoutError
 from ..layout.builders import replicated_map
 from ..layout.maps import TensorMap
-from ..layout.nesting import FlatRun, FlatRuns, Layout, Shard, ShardStorage, Whole, nest
+from ..layout.nesting import nest
+from ..layout.shards import FlatRun, FlatRuns, Layout, Shard, ShardStorage, Whole
 
 NCCL_START_ALIGNMENT_FACTOR = 2
 

@@ -24,7 +24,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from ..errors import LayoutError
-from ..layout.nesting import Layout
+from ..layout.shards import Layout
 
 __all__ = ["STATES", "LogicalPart", "ParamFacts", "TrainerFacts", "ZeroGroup"]
 

@@ -22,7 +22,7 @@ from typing import Any
 
 from ..errors import LayoutError, NotAffineError, UnsupportedLayoutError
 from ..layout.box import row_major_strides
-from ..layout.nesting import Layout, Shard, ShardBlock
+from ..layout.shards import Layout, Shard, ShardBlock
 
 __all__ = ["autoep_layout", "autotp_layout", "replicated_layout", "single_layout"]
 

@@ -4,7 +4,8 @@
 ``UnsupportedLayoutError`` that names the feature and says what to change. Per-parameter refusals (a
 gathered ZeRO-3 parameter, a ``ds_tensor`` of the wrong size, a storage group that does not match the
 expert-data-parallel table, mixed ZeRO-3 and non-ZeRO-3 experts, a quantized or secondary partition) are
-raised where the parameter is read (``rollout_sync.trainer.read_engine``).
+raised where the parameter is read (``rollout_sync.trainer.engine_checks``, ``placement_reader``,
+``zero_positions``).
 """
 
 from __future__ import annotations

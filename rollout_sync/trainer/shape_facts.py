@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from math import prod
 
 from ..errors import LayoutError, UnsupportedLayoutError
-from ..layout.nesting import Layout
+from ..layout.shards import Layout
 from ..shapes.sides import autotp_layout, trainer_rank_table
 from ..shapes.tensors import LogicalTensor, ModelTensors
 from .deepspeed_geometry import param_alignment_for, round_robin_order, zero12_flat_layout

@@ -17,8 +17,9 @@ import torch
 
 from ..errors import LayoutError, ShapeMismatchError, UnsupportedLayoutError
 from .freshness import BufferWatch, anchor_builder
-from .read_engine import LocalParam, ReadEngine, flat_view
+from .read_engine import ReadEngine
 from .storage_maps import StorageMap
+from .zero_positions import LocalParam, flat_view
 
 __all__ = ["state_buffer", "state_source", "storage_views", "watched_views"]
 

@@ -2,8 +2,13 @@
 rollout ranks (gloo on CPUs, NCCL on GPUs), with bounded staging, an agreement before anything moves, and
 bounded waits.
 
-``schedule`` and ``fingerprint`` are pure; ``executor`` runs them (``Executor.execute`` / ``execute``);
-``groups`` builds the cross-process group.
+``executor`` runs one sync (``Executor.execute`` / ``execute``): ``half_check`` and ``local_check``, then
+``agreement`` (with ``fingerprint``), then the schedule (``messages`` cuts each pair stream into messages,
+``schedule`` assigns rounds and staging slots, ``copies`` addresses parts in storage; all pure), compiled by
+``program``, then the transfer: ``full_transfer`` (over ``p2p``, with ``handoff`` within a process and
+``same_host`` / ``shared_memory`` / ``pulls`` within a host), or a delta sync (``delta``: ``delta_state``,
+``delta_shadow``, ``delta_run``, ``delta_landing``, ``delta_codec``). ``groups`` builds the cross-process
+group.
 """
 
 from .executor import Executor, execute

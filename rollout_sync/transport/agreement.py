@@ -31,8 +31,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import PlanMismatchError
+from ..planning.half import PlanHalf
 from .collectives import allgather_bytes
 from .fingerprint import MASK64
+from .stats import ExecuteOptions
 
 __all__ = [
     "FORMAT_VERSION",
@@ -43,6 +45,7 @@ __all__ = [
     "delta_base",
     "encode",
     "exchange",
+    "record_of",
 ]
 
 FORMAT_VERSION = 2
@@ -140,6 +143,40 @@ def decode(data: bytes) -> Record:
 
 def digest_sha(digest: str) -> bytes:
     return hashlib.sha256(digest.encode("utf-8")).digest()
+
+
+def record_of(
+    group_rank: int,
+    half: Any,
+    reason: str | None,
+    fingerprints: tuple[bytes, tuple[int, int]] | None,
+    message_bytes: int,
+    options: ExecuteOptions,
+    base: tuple[int, bytes] | None,
+) -> Record:
+    """The record of rank ``group_rank``: the half it was given (anything: a rank given no ``PlanHalf`` says
+    so), its refusal ``reason``, its half's fingerprints (``fingerprint``; None: zeros), the message size it
+    offers, its executor options and the delta base it names."""
+    thash, (sent, received) = fingerprints if fingerprints is not None else (b"\0" * 16, (0, 0))
+    digest = half.digest if isinstance(half, PlanHalf) else ""
+    return Record(
+        group_rank=group_rank,
+        half_rank=half.rank if isinstance(half, PlanHalf) else -1,
+        refused=reason is not None,
+        zero_copy=options.zero_copy,
+        overlap=options.overlap,
+        shared_memory=options.shared_memory,
+        digest_sha=digest_sha(digest),
+        digest_prefix=digest[:16],
+        table_hash=thash,
+        sent_sum=sent,
+        received_sum=received,
+        message_bytes=message_bytes,
+        staging_cap_bytes=options.staging_cap_bytes,
+        reason=reason or "",
+        base_version=-1 if base is None else base[0],
+        base_layout=b"\0" * 8 if base is None else base[1],
+    )
 
 
 def _ranks(ranks: Sequence[int]) -> str:

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import hashlib
 
-from ..planning.plan import PlanHalf, PlannedTensor, Segment
+from ..planning.half import PlanHalf
+from ..planning.records import PlannedTensor, Segment
 
 __all__ = ["MASK64", "pair_sums", "segment_hash", "table_hash"]
 

@@ -10,13 +10,10 @@ from collections.abc import Mapping
 
 import torch
 
-from ..planning.plan import PlanHalf
+from ..layout.dtypes import dtype_name
+from ..planning.half import PlanHalf
 
-__all__ = ["check_storages", "dtype_name"]
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
+__all__ = ["check_storages"]
 
 
 def _needed(half: PlanHalf) -> tuple[set[int], set[int]]:

@@ -1,28 +1,31 @@
 """A rank's schedule compiled into copies: for each message, its parts with their wire dtype and the strided
-copies between the message buffer and the storages; packing and unpacking a message buffer."""
+copies between the message buffer and the storages; packing and unpacking a message buffer; the executor's
+cache of the program of its last half (``ProgramCache``)."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ..layout.dtypes import itemsize
-from ..planning.plan import PlanHalf
-from .schedule import Copy, Message, Schedule, part_copies, wire_dtype
+from ..planning.half import PlanHalf
+from .copies import Copy, part_copies
+from .messages import Message, wire_dtype
+from .schedule import Schedule, build_schedule
 
 if TYPE_CHECKING:
     from .targets import Targets
 
-__all__ = ["PartProgram", "Program", "compile_program", "pack", "payload", "unpack", "view"]
+__all__ = ["PartProgram", "Program", "ProgramCache", "compile_program", "pack", "payload", "unpack", "view"]
 
 
 @dataclass(frozen=True, slots=True)
 class PartProgram:
     name: str  # logical tensor name (key of sources / targets)
-    wire: torch.dtype  # what the bytes on the wire are (schedule.wire_dtype)
+    wire: torch.dtype  # what the bytes on the wire are (messages.wire_dtype)
     wire_size: int
     byte_offset: int
     count: int
@@ -133,3 +136,59 @@ def unpack(buf: torch.Tensor, parts: tuple[PartProgram, ...], targets: Targets) 
                 n *= e
             view(storage, c).copy_(typed[c.buffer_offset : c.buffer_offset + n].view(c.extent))
         targets.landed(p.name)
+
+
+class ProgramCache:
+    """The program of the last half a rank ran. Keyed by content (digest, rank, fingerprints, agreed message
+    sizes, options, the kinds of its pairs), so a half rebuilt for every sync still reuses it; one plan at a
+    time: a new plan replaces the old."""
+
+    def __init__(self) -> None:
+        self._cached: tuple[tuple[Any, ...], Program] | None = None
+
+    @property
+    def last(self) -> Program | None:
+        return None if self._cached is None else self._cached[1]
+
+    def get(
+        self,
+        half: PlanHalf,
+        sizes: dict[int, int],
+        fingerprints: tuple[bytes, tuple[int, int]],
+        *,
+        zero_copy: bool,
+        depth: int,
+        in_process: frozenset[int],
+        shared: frozenset[int],
+        pulls_from: frozenset[int],
+        pulled_by: frozenset[int],
+    ) -> Program:
+        """The program of ``half`` (``schedule.build_schedule`` with these arguments, compiled)."""
+        key = (
+            half.digest,
+            half.rank,
+            fingerprints,
+            tuple(sorted(sizes.items())),
+            depth,
+            zero_copy,
+            in_process,
+            shared,
+            pulls_from,
+            pulled_by,
+        )
+        cached = self._cached
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        schedule = build_schedule(
+            half,
+            sizes,
+            zero_copy=zero_copy,
+            depth=depth,
+            in_process=in_process,
+            shared=shared,
+            pulls_from=pulls_from,
+            pulled_by=pulled_by,
+        )
+        program = compile_program(half, schedule)
+        self._cached = (key, program)
+        return program

@@ -12,9 +12,10 @@ import torch
 
 from ..errors import PeerFailedError
 from . import cross_memory
+from .copies import part_runs
+from .messages import Message
 from .p2p import Pending, Transport
 from .program import Program
-from .schedule import Message, part_runs
 from .targets import Targets
 
 __all__ = ["PROBE_TAG", "PullPlan", "Pulls", "probe_pulls", "pull_plan", "pulled_bytes"]

@@ -1,28 +1,15 @@
-"""The transfer schedule of one rank's half: which bytes travel in which message, in which round.
+"""The transfer schedule of one rank's half: which bytes travel in which message, in which round, through
+which staging slot.
 
-Pure (no torch, no process group): both ends of every pair compute the same messages from the segments
-they share, so a sender's message ``k`` to rank ``t`` and rank ``t``'s message ``k`` from the sender carry
-the same parts at the same byte offsets, without any exchange beyond the agreed message size.
+Pure (no torch, no process group). Lifecycle (see ``executor.py``): ``half_check.check_half`` (before
+agreement) → ``wanted_message_bytes`` (each rank's offer, exchanged in the agreement: ``message_offer``) →
+``build_schedule`` with ``message_bytes[peer] = min(offer of this rank, offer of peer)`` (``message_sizes``)
+→ the executor runs it.
 
-Lifecycle (see ``executor.py``): ``check_half`` (before agreement) → ``wanted_message_bytes`` (each rank's
-offer, exchanged in the agreement) → ``build_schedule`` with ``message_bytes[peer] = min(offer of this
-rank, offer of peer)`` → the executor runs it.
-
-Wire format of a pair stream (one direction between two ranks):
-
-- segments are sorted canonically (``segment_key``);
-- a **direct** segment (dense in both storages, same dtype on both sides, ``zero_copy`` on, at least
-  ``DIRECT_MIN_BYTES``) travels straight from source storage to target storage, no staging: it is cut into
-  runs of at most ``direct_chunk_bytes(message_bytes)``, and run ``j`` of the pair is direct message ``j``
-  (tag ``2j+1``). Direct messages hold no staging, so the executor posts them all at the start;
-- every other segment is **packed**: the pair's packed segments are laid end to end, each part starting
-  at a multiple of its element size, and cut into messages of at most ``message_bytes``. A segment that
-  does not fit in the room left is cut by bytes, at an element boundary, in the row-major order of its
-  extent (any axis, 1-D runs included): a run ``[start, start + count)`` of a segment is at most
-  ``2·ndim − 1`` boxes, or one flat copy where the segment is dense in a storage. Packed message ``k`` of
-  the pair travels in **round** ``k`` (tag ``2k``) through a staging slot; the executor keeps ``depth``
-  rounds in flight. The number of rounds is about ``packed bytes / message_bytes``, whatever the number
-  of segments.
+``build_schedule`` cuts each pair stream into messages (``messages.pair_messages``: direct messages, and
+packed message ``k`` in round ``k``) and lays out the staging slots: packed round ``k`` uses slot parity
+``k % depth`` of its (direction, peer), so the executor keeps ``depth`` rounds in flight and the rank's
+staging is ``depth`` slots per peer and direction, whatever the number of rounds.
 
 A pair whose two ranks run in the same process (``in_process``: a trainer rank and a vLLM worker of TRL's
 colocate mode) has no messages at all: its segments are a **handoff**. The sender offers its source
@@ -32,116 +19,28 @@ element, no staging) and tells the sender when it is done.
 A pair on one host in two processes (``shared``) packs its messages into staging slots that live in shared
 memory (``shared_memory``), laid out per (direction, peer) segment (``shared_slots``, ``shared_bytes``)
 instead of in the rank's arena. Where the receiver can read the sender's memory (``pulls_from`` /
-``pulled_by``, found by a probe) every segment of the same dtype on both sides whose rows are contiguous
-runs of at least ``PULL_MIN_RUN_BYTES`` on both sides (``pullable``) is a direct message the receiver pulls
-straight from the sender's source storage into its target storage, run by run (``part_runs``,
+``pulled_by``, found by a probe) every ``pullable`` segment is a direct message the receiver pulls straight
+from the sender's source storage into its target storage, run by run (``copies.part_runs``,
 ``cross_memory``): one copy, no staging, no work for the sender; the rest is packed like any segment.
-
-The **wire dtype** of a packed segment (``wire_dtype``) is the narrower of its source and target floating
-dtypes: a trainer's fp32 weights for a bf16 vLLM travel as bf16, half the bytes. The sender casts while
-packing (``tensor.to(dtype)`` semantics, round to nearest even), the receiver copies; the result is the
-same bits as a cast at the receiver. Otherwise (same size, or not both floating) it is the source dtype
-and the receiver casts.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from itertools import product
-from math import prod
 
-from ..layout.dtypes import ITEMSIZE, itemsize
-from ..layout.runs import flat_run_boxes
-from ..planning.plan import PlanHalf, Segment
+from ..planning.half import PlanHalf
+from ..planning.records import Segment
+from .messages import ALIGN, MIN_MESSAGE_BYTES, Message, pair_messages, segment_key
 
 __all__ = [
-    "ALIGN",
-    "DIRECT_CHUNK_MIN_BYTES",
-    "DIRECT_MIN_BYTES",
-    "MIN_MESSAGE_BYTES",
-    "Copy",
-    "Message",
-    "Part",
     "Schedule",
     "build_schedule",
-    "check_half",
-    "direct_chunk_bytes",
-    "is_dense",
-    "pair_messages",
-    "part_copies",
-    "part_runs",
+    "message_offer",
+    "message_sizes",
     "peers_of",
-    "pullable",
-    "segment_key",
     "wanted_message_bytes",
-    "wire_dtype",
 ]
-
-ALIGN = 16
-"""Message sizes and staging slots are multiples of this many bytes (so every slot starts aligned for every
-dtype; a part within a message starts at a multiple of its own element size)."""
-
-DIRECT_MIN_BYTES = 1 << 16
-"""A dense segment smaller than this is packed rather than sent on its own (a message costs more than a
-copy at this size)."""
-
-MIN_MESSAGE_BYTES = 64
-"""The smallest message size a staging cap may leave per peer."""
-
-DIRECT_CHUNK_MIN_BYTES = 64 << 20
-"""Direct messages are cut at ``max(message_bytes, this)``: they cost no staging, so only the number of
-outstanding messages and the granularity of progress bound their size."""
-
-
-PULL_MIN_RUN_BYTES = 64 << 10
-"""A segment is pulled when each of its contiguous runs (rows) has at least this many bytes on both sides.
-Measured (2-core EPYC): ``process_vm_readv`` moves 3.2-3.5 GB/s in runs of 64 KB and up, 1.7 GB/s in runs
-of 2 KB, where a strided copy of 2 KB rows in user space moves 3.1 GB/s: short rows are packed instead."""
-
-
-def direct_chunk_bytes(message_bytes: int) -> int:
-    return max(message_bytes, DIRECT_CHUNK_MIN_BYTES)
-
-
-@dataclass(frozen=True, slots=True)
-class Part:
-    """Elements ``[start, start + count)`` of a segment (row-major order of its extent), at ``byte_offset``
-    in its message."""
-
-    segment: Segment
-    start: int
-    count: int
-    byte_offset: int
-
-
-@dataclass(frozen=True, slots=True)
-class Message:
-    """One point-to-point message between this rank and ``peer``. A direct message has exactly one part,
-    sent from the source storage and received into the target storage (``round`` is its index among the
-    pair's direct messages); a packed one goes through a staging slot in round ``round``."""
-
-    peer: int
-    round: int
-    direct: bool
-    nbytes: int
-    parts: tuple[Part, ...]
-
-    @property
-    def tag(self) -> int:
-        return 2 * self.round + int(self.direct)
-
-
-@dataclass(frozen=True, slots=True)
-class Copy:
-    """One strided copy between a storage and a message buffer: ``torch.as_strided(storage, extent,
-    strides, storage_offset + offset)`` ↔ ``count`` elements of the buffer at element ``buffer_offset``
-    (relative to the part's first byte), reshaped to ``extent``."""
-
-    extent: tuple[int, ...]
-    strides: tuple[int, ...]
-    offset: int
-    buffer_offset: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -178,33 +77,6 @@ class Schedule:
         return found if found is not None else self.shared_slots[key]
 
 
-def segment_key(s: Segment) -> tuple[object, ...]:
-    """Canonical order of segments: by tensor, then source address (locality when packing)."""
-    return (
-        s.tensor,
-        s.source_rank,
-        s.target_rank,
-        s.source_offset,
-        s.target_offset,
-        s.extent,
-        s.source_strides,
-        s.target_strides,
-    )
-
-
-def is_dense(extent: Sequence[int], strides: Sequence[int]) -> bool:
-    """Whether the row-major walk of ``extent`` visits consecutive storage elements (axes of extent 1
-    ignored), so any flat run of it is one contiguous range of the storage."""
-    expected = 1
-    for e, s in zip(reversed(extent), reversed(strides), strict=True):
-        if e == 1:
-            continue
-        if s != expected:
-            return False
-        expected *= e
-    return True
-
-
 def _align_up(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
@@ -234,128 +106,30 @@ def wanted_message_bytes(
     return _align_down(staging_cap_bytes // max(slots, 1))
 
 
-_FLOATING = frozenset({"float64", "float32", "bfloat16", "float16"})
-
-
-def wire_dtype(source_dtype: str, target_dtype: str) -> str:
-    """The dtype a packed segment travels in: the target's when it is a narrower floating dtype (the sender
-    casts), else the source's (the receiver casts)."""
-    if (
-        source_dtype in _FLOATING
-        and target_dtype in _FLOATING
-        and itemsize(target_dtype) < itemsize(source_dtype)
-    ):
-        return target_dtype
-    return source_dtype
-
-
-def _wire_size(half: PlanHalf, s: Segment) -> int:
-    t = half.tensors[s.tensor]
-    return itemsize(wire_dtype(t.source_dtype, t.target_dtype))
-
-
-def _is_direct(half: PlanHalf, s: Segment, zero_copy: bool) -> bool:
-    if not zero_copy:
-        return False
-    t = half.tensors[s.tensor]
-    return (
-        t.source_dtype == t.target_dtype
-        and s.numel * itemsize(t.source_dtype) >= DIRECT_MIN_BYTES
-        and is_dense(s.extent, s.source_strides)
-        and is_dense(s.extent, s.target_strides)
-    )
-
-
-def pullable(half: PlanHalf, s: Segment) -> bool:
-    """Whether the receiver of ``s`` can pull it run by run: same dtype on both sides, at least
-    ``DIRECT_MIN_BYTES``, and dense on both sides or made of rows (last axis, stride 1 on both sides) of at
-    least ``PULL_MIN_RUN_BYTES``."""
-    t = half.tensors[s.tensor]
-    size = itemsize(t.source_dtype)
-    if t.source_dtype != t.target_dtype or s.numel * size < DIRECT_MIN_BYTES:
-        return False
-    if is_dense(s.extent, s.source_strides) and is_dense(s.extent, s.target_strides):
-        return True
-    return (
-        bool(s.extent)
-        and s.source_strides[-1] == 1
-        and s.target_strides[-1] == 1
-        and s.extent[-1] * size >= PULL_MIN_RUN_BYTES
-    )
-
-
-def part_runs(part: Part) -> list[tuple[int, int, int]]:
-    """The contiguous runs of a pulled part: ``(source element offset, target element offset, count)``,
-    one for a part dense on both sides, else one per row of each box of the part."""
-    s = part.segment
-    if is_dense(s.extent, s.source_strides) and is_dense(s.extent, s.target_strides):
-        return [(s.source_offset + part.start, s.target_offset + part.start, part.count)]
-    runs = []
-    for box in flat_run_boxes(s.extent, part.start, part.start + part.count):
-        lead = box.extent[:-1]
-        for index in product(*(range(o, o + e) for o, e in zip(box.origin[:-1], lead, strict=True))):
-            at = (*index, box.origin[-1])
-            src = s.source_offset + sum(i * st for i, st in zip(at, s.source_strides, strict=True))
-            dst = s.target_offset + sum(i * st for i, st in zip(at, s.target_strides, strict=True))
-            runs.append((src, dst, box.extent[-1]))
-    return runs
-
-
-def pair_messages(
-    half: PlanHalf,
-    segments: Iterable[Segment],
-    peer: int,
-    message_bytes: int,
-    *,
-    zero_copy: bool,
-    pull: bool = False,
-    uniform: bool = False,
-) -> list[Message]:
-    """All messages of one pair stream, in round order (see the module docstring). ``segments`` are the
-    segments between this rank and ``peer`` in one direction; the other end passes the same set. ``pull``:
-    the receiver pulls from the sender's memory, so every ``pullable`` segment is direct. ``uniform``: a
-    packed message holds parts of one wire element size only (a delta sync compares messages as arrays)."""
-    if message_bytes < MIN_MESSAGE_BYTES or message_bytes % ALIGN:
-        raise ValueError(
-            f"message size {message_bytes} is below {MIN_MESSAGE_BYTES} or not a multiple of {ALIGN}"
+def message_offer(
+    half: PlanHalf, staging_cap_bytes: int, depth: int, in_process: frozenset[int] = frozenset()
+) -> tuple[int, str | None]:
+    """The message size this rank offers in the agreement (``wanted_message_bytes``), and why its staging cap
+    is too small for its half (a half with peers needs at least ``MIN_MESSAGE_BYTES`` per message), or
+    None."""
+    wanted = wanted_message_bytes(half, staging_cap_bytes, depth, in_process)
+    send_peers, recv_peers = peers_of(half, in_process)
+    if (send_peers or recv_peers) and wanted < MIN_MESSAGE_BYTES:
+        slots = depth * (len(send_peers) + len(recv_peers))
+        return wanted, (
+            f"a staging cap of {staging_cap_bytes} bytes leaves {wanted} bytes per message for {slots} "
+            f"staging slots; at least {MIN_MESSAGE_BYTES} are needed"
         )
-    ordered = sorted((s for s in segments if s.numel > 0), key=segment_key)
-    packed: list[Message] = []
-    direct: list[Message] = []
-    parts: list[Part] = []
-    used = 0
+    return wanted, None
 
-    def close() -> None:
-        nonlocal parts, used
-        if parts:
-            packed.append(Message(peer, len(packed), False, used, tuple(parts)))
-        parts, used = [], 0
 
-    for s in ordered:
-        size = _wire_size(half, s)
-        n = s.numel
-        if pullable(half, s) if pull else _is_direct(half, s, zero_copy):
-            per = direct_chunk_bytes(message_bytes) // size
-            for start in range(0, n, per):
-                count = min(per, n - start)
-                part = Part(s, start, count, 0)
-                direct.append(Message(peer, len(direct), True, count * size, (part,)))
-            continue
-        if uniform and parts and _wire_size(half, parts[-1].segment) != size:
-            close()
-        start = 0
-        while start < n:
-            at = -(-used // size) * size  # typed views of the byte buffer need element alignment
-            room = (message_bytes - at) // size if at < message_bytes else 0
-            if room <= 0:
-                close()
-                continue
-            count = min(room, n - start)
-            parts.append(Part(s, start, count, at))
-            used = at + count * size
-            start += count
-    close()
-    return packed + direct
+def message_sizes(
+    half: PlanHalf, offers: list[int], rank: int, in_process: frozenset[int] = frozenset()
+) -> dict[int, int]:
+    """The agreed message size with each peer this half exchanges messages with: the smaller of the two
+    offers (``offers`` indexed by group rank; ``rank``: this rank's)."""
+    send_peers, recv_peers = peers_of(half, in_process)
+    return {p: min(offers[rank], offers[p]) // ALIGN * ALIGN for p in {*send_peers, *recv_peers}}
 
 
 def build_schedule(
@@ -444,79 +218,3 @@ def build_schedule(
             (peer, tuple(sorted(segments, key=segment_key))) for peer, segments in sorted(handoff_in.items())
         ),
     )
-
-
-def part_copies(part: Part, side: str) -> tuple[Copy, ...]:
-    """The strided copies that move ``part`` between its message and the ``"source"`` or ``"target"``
-    storage: one flat copy where the segment is dense in that storage, else one per box of the run (at
-    most ``2·ndim − 1``)."""
-    s = part.segment
-    if side == "source":
-        base, strides = s.source_offset, s.source_strides
-    elif side == "target":
-        base, strides = s.target_offset, s.target_strides
-    else:
-        raise ValueError(f"side must be 'source' or 'target', not {side!r}")
-    if is_dense(s.extent, strides):
-        return (Copy((part.count,), (1,), base + part.start, 0),)
-    copies = []
-    position = 0
-    for box in flat_run_boxes(s.extent, part.start, part.start + part.count):
-        offset = base + sum(o * st for o, st in zip(box.origin, strides, strict=True))
-        copies.append(Copy(box.extent, strides, offset, position))
-        position += box.numel
-    return tuple(copies)
-
-
-def _reach(offset: int, extent: Sequence[int], strides: Sequence[int]) -> int:
-    """One past the last storage element a view touches (``offset`` for an empty view)."""
-    if prod(extent) == 0:
-        return offset
-    return offset + sum((e - 1) * st for e, st in zip(extent, strides, strict=True)) + 1
-
-
-def check_half(half: PlanHalf) -> str | None:
-    """Why this half cannot be executed by its rank, or None. Checks only what the half itself says
-    (segment roles, addresses inside the storage shapes of the plan's tensor table, known dtypes); the
-    local storages are checked by the executor."""
-    rank = half.rank
-    n = len(half.tensors)
-    for t in half.tensors:
-        for dtype in (t.source_dtype, t.target_dtype):
-            if dtype not in ITEMSIZE:
-                return f"tensor {t.name!r} has dtype {dtype!r}, which the transport does not know"
-    roles = (
-        ("sent", half.sends, lambda s: s.source_rank == rank != s.target_rank),
-        ("received", half.receives, lambda s: s.target_rank == rank != s.source_rank),
-        ("local", half.local, lambda s: s.source_rank == rank == s.target_rank),
-    )
-    for role, segments, belongs in roles:
-        for s in segments:
-            if not 0 <= s.tensor < n:
-                return f"a {role} segment names tensor index {s.tensor}, the plan has {n} tensors"
-            t = half.tensors[s.tensor]
-            where = f"tensor {t.name!r}, {role} segment {s.source_rank}->{s.target_rank} extent {s.extent}"
-            if not belongs(s):
-                return f"{where} does not belong to the {role} segments of rank {rank}"
-            if len(s.source_strides) != len(s.extent) or len(s.target_strides) != len(s.extent):
-                return f"{where}: strides {s.source_strides}/{s.target_strides} do not match the extent"
-            if any(e < 0 for e in s.extent) or min((*s.source_strides, *s.target_strides, 0)) < 0:
-                return f"{where}: negative extent or stride"
-            if s.source_offset < 0 or s.target_offset < 0:
-                return f"{where}: negative offset"
-            sides = []
-            if role in ("sent", "local"):
-                sides.append(("source", t.source_storage, s.source_rank, s.source_offset, s.source_strides))
-            if role in ("received", "local"):
-                sides.append(("target", t.target_storage, s.target_rank, s.target_offset, s.target_strides))
-            for side, storages, owner, offset, strides in sides:
-                shape = storages.get(owner)
-                if shape is None:
-                    return f"{where}: the plan lists no {side} storage on rank {owner}"
-                reach = _reach(offset, s.extent, strides)
-                if reach > prod(shape):
-                    return (
-                        f"{where}: reaches {side} element {reach - 1}, the {side} storage on rank {owner}"
-                        f" has shape {tuple(shape)} ({prod(shape)} elements)"
-                    )
-    return None

@@ -1,11 +1,12 @@
-"""Options of the executor and the statistics one sync returns."""
+"""Options of the executor, the statistics one sync returns, and the clock of its phases."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["DEFAULT_STAGING_CAP_BYTES", "ExecuteOptions", "SyncStats"]
+__all__ = ["DEFAULT_STAGING_CAP_BYTES", "ExecuteOptions", "PhaseClock", "SyncStats"]
 
 DEFAULT_STAGING_CAP_BYTES = 64 << 20
 
@@ -44,7 +45,7 @@ class ExecuteOptions:
 
 @dataclass(frozen=True, slots=True)
 class SyncStats:
-    """What one rank did in one sync. Byte counts are payload bytes on the wire (``schedule.wire_dtype``);
+    """What one rank did in one sync. Byte counts are payload bytes on the wire (``messages.wire_dtype``);
     ``bytes_handed``: per peer in this process, the bytes (in the target's dtype) that peer copied straight
     from this rank's sources (handoffs, no message); ``local_bytes`` counts this rank's copies within
     itself and from peers in its process."""
@@ -94,3 +95,16 @@ class SyncStats:
             "delta_state_bytes": self.delta_state_bytes,
             "estimated_changed_share": self.estimated_changed_share,
         }
+
+
+class PhaseClock:
+    """Seconds by phase of one sync (``SyncStats.seconds``): ``add(phase, since)`` adds the time since
+    ``since`` to ``phase`` and returns now, the start of the next phase."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    def add(self, phase: str, since: float) -> float:
+        now = time.perf_counter()
+        self.seconds[phase] = self.seconds.get(phase, 0.0) + now - since
+        return now

@@ -8,7 +8,7 @@ from typing import Protocol
 
 import torch
 
-from ..planning.plan import PlanHalf
+from ..planning.half import PlanHalf
 from .program import Program
 
 __all__ = ["TargetStream", "Targets"]

@@ -6,8 +6,10 @@ The references are taken independently of the maps:
 - after a step, DeepSpeed's own gathers: ``GatheredParameters`` for ZeRO-3 partitions,
   ``safe_get_full_fp32_param`` / ``safe_get_full_optimizer_state`` for master weights and Adam states, then
   the TP shards concatenated along the ``partition_dim`` AutoTP records and the EP ranks' packed experts
-  concatenated in DeepSpeed's packing order (EP rank ``k`` packs experts ``[k·L, (k+1)·L)``), with the
-  checkpoint's key names written out here (not taken from ``rollout_sync.trainer.naming``).
+  concatenated in DeepSpeed's packing order (EP rank ``k`` packs experts ``[k·L, (k+1)·L)``), named as
+  checkpoint keys by ``testbed.checkpoints.logical_tensors`` (that is, by ``rollout_sync.trainer.naming``).
+  Those names are no oracle of the maps' names: the saved checkpoint is, before any step (every map
+  name and every piece is compared with the ``safetensors`` file, AutoEP engines included).
 
 Each rank compares its own storage views with its pieces of the reference, bit for bit.
 """
@@ -23,6 +25,7 @@ import torch
 import torch.distributed as tdist
 
 from rollout_sync.layout.maps import TensorMap
+from testbed.checkpoints import logical_tensors
 
 INT_VIEW = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
 
@@ -86,12 +89,6 @@ def compare_views(
 # ----------------------------------------------------------------------------------------------------------
 
 
-def _autoep_layer_names(module: torch.nn.Module) -> list[str]:
-    from deepspeed.module_inject.auto_ep_layer import AutoEPMoELayer
-
-    return [n for n, m in module.named_modules() if isinstance(m, AutoEPMoELayer)]
-
-
 def _tp_assemble(p: Any, local: torch.Tensor) -> torch.Tensor:
     """The full parameter from TP shards: all-gather over the TP group, concatenate along AutoTP's
     recorded ``partition_dim`` (unsplit parameters are returned as they are)."""
@@ -113,26 +110,6 @@ def _ep_assemble(p: Any, local: torch.Tensor) -> torch.Tensor:
     parts: list[Any] = [None] * tdist.get_world_size(group)
     tdist.all_gather_object(parts, local, group=group)
     return torch.cat(parts, dim=0)  # EP rank k packs experts [k*L, (k+1)*L)
-
-
-def _logical(engine: Any, by_param: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Checkpoint names (as transformers 5.19 saves Qwen3 / Qwen3-MoE) of the full parameters."""
-    layers = _autoep_layer_names(engine.module)
-    out: dict[str, torch.Tensor] = {}
-    expert_key = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
-    for name, t in by_param.items():
-        layer = next((ln for ln in layers if name.startswith(ln + ".")), None)
-        if layer is None:
-            out[name] = t
-            continue
-        rest = name[len(layer) + 1 :]
-        if rest == "router.gate.weight":
-            out[f"{layer}.gate.weight"] = t
-        else:
-            packed = rest.split(".")[-1]
-            for e in range(t.shape[0]):
-                out[f"{layer}.experts.{e}.{expert_key[packed]}.weight"] = t[e]
-    return out
 
 
 def full_tensors(engine: Any, state: str) -> dict[str, torch.Tensor]:
@@ -164,7 +141,7 @@ def full_tensors(engine: Any, state: str) -> dict[str, torch.Tensor]:
             by_param[name] = _ep_assemble(p, local)
         else:
             by_param[name] = _tp_assemble(p, local)
-    return _logical(engine, by_param)
+    return logical_tensors(engine.module, by_param)
 
 
 def timed(log: dict[str, float], label: str, fn: Callable[[], Any]) -> Any:

@@ -34,7 +34,7 @@ import torch
 
 from rollout_sync.rollout.apply import write_segment
 from rollout_sync.rollout.checkpoint import read_tensors
-from rollout_sync.rollout.probe import DEFAULT_MAX_PIECES
+from rollout_sync.rollout.landing_maps import DEFAULT_MAX_PIECES
 from testbed.packing import dense_linears, pack_linears
 from vllm_plugin.extension import RolloutSyncExtension
 

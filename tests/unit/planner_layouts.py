@@ -21,8 +21,8 @@ from hypothesis import strategies as st
 from rollout_sync.layout.box import Box, row_major_strides
 from rollout_sync.layout.maps import Piece, RankStorage, TensorMap
 from rollout_sync.layout.runs import flat_run_boxes
-from rollout_sync.planning.plan import Segment
 from rollout_sync.planning.policy import Balanced, ReplicaRequest
+from rollout_sync.planning.records import Segment
 
 
 @dataclass(frozen=True)

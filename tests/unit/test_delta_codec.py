@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from rollout_sync.layout.box import Box, row_major_strides
 from rollout_sync.layout.maps import Piece, RankStorage, TensorMap
 from rollout_sync.planning.planner import plan_model
-from rollout_sync.transport.delta import Landing, message_itemsize
+from rollout_sync.transport.delta import message_itemsize
 from rollout_sync.transport.delta_codec import (
     bits_dtype,
     changed_positions,
@@ -29,8 +29,10 @@ from rollout_sync.transport.delta_codec import (
     encoded_bytes,
     max_encoded_bytes,
 )
+from rollout_sync.transport.delta_landing import Landing
+from rollout_sync.transport.messages import pair_messages
 from rollout_sync.transport.program import compile_program, unpack
-from rollout_sync.transport.schedule import build_schedule, pair_messages
+from rollout_sync.transport.schedule import build_schedule
 from rollout_sync.transport.targets import Targets
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.uint8, torch.int32)

@@ -14,16 +14,9 @@ from hypothesis import strategies as st
 
 from rollout_sync.errors import HoleError, LayoutError, OutOfBoundsError, OverlapError, UnsupportedLayoutError
 from rollout_sync.layout import Box, TensorMap, flat_run_boxes
-from rollout_sync.layout.nesting import (
-    FlatRun,
-    FlatRuns,
-    Layout,
-    Shard,
-    ShardBlock,
-    Whole,
-    _run_boxes,
-    nest,
-)
+from rollout_sync.layout.nesting import nest
+from rollout_sync.layout.shard_pieces import _run_boxes
+from rollout_sync.layout.shards import FlatRun, FlatRuns, Layout, Shard, ShardBlock, Whole
 
 # --------------------------------------------------------------------------------------------------------
 # Oracle (imported by test_builders.py and test_models.py)

@@ -30,9 +30,9 @@ from rollout_sync.errors import (
 )
 from rollout_sync.layout.box import Box
 from rollout_sync.layout.maps import Piece, RankStorage, TensorMap
-from rollout_sync.planning.plan import Segment
 from rollout_sync.planning.planner import plan_model, plan_tensor
 from rollout_sync.planning.policy import Balanced, ReplicaRequest
+from rollout_sync.planning.records import Segment
 
 SETTINGS = settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

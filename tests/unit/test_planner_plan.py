@@ -9,8 +9,9 @@ from hypothesis import HealthCheck, given, settings
 from planner_layouts import flat_runs, layout_pairs, rows, whole
 
 from rollout_sync.errors import OutOfBoundsError, PlanMismatchError, ShapeMismatchError
-from rollout_sync.planning.plan import Plan, PlannedTensor, Segment
+from rollout_sync.planning.plan import Plan
 from rollout_sync.planning.planner import plan_model
+from rollout_sync.planning.records import PlannedTensor, Segment
 
 
 def table(name="w", shape=(4, 4), src=None, tgt=None):

@@ -1,4 +1,5 @@
-"""Target maps from loader-probe observations (``rollout_sync.rollout.probe``), pure.
+"""Target maps from loader-probe observations (``rollout_sync.rollout.landings``, ``landing_maps``,
+``local_targets``), pure.
 
 A *simulated loader* (numpy) plays vLLM's loaders here: it copies a logical tensor into a parameter the way
 a real loader would (a row range of a fused parameter, a column shard, a transposed copy, ...). The probe
@@ -20,16 +21,10 @@ from hypothesis import strategies as st
 from rollout_sync.errors import NotAffineError, UnsupportedLayoutError
 from rollout_sync.layout.box import Box
 from rollout_sync.rollout.codec import local_targets_from_dict, local_targets_to_dict
-from rollout_sync.rollout.probe import (
-    FILLED,
-    Landing,
-    LandingBuilder,
-    StorageView,
-    fallback_map,
-    local_targets,
-    storage_shape,
-    target_map,
-)
+from rollout_sync.rollout.landing_maps import storage_shape, target_map
+from rollout_sync.rollout.landings import FILLED, Landing, LandingBuilder
+from rollout_sync.rollout.local_targets import fallback_map, local_targets
+from rollout_sync.rollout.storage_view import StorageView
 
 Loader = Callable[[dict[str, np.ndarray], np.ndarray], None]
 

@@ -18,7 +18,7 @@ from rollout_sync.rollout.apply import (
     write_pieces,
     write_segment,
 )
-from rollout_sync.rollout.probe import StorageView
+from rollout_sync.rollout.storage_view import StorageView
 
 
 def test_a_storage_view_is_a_row_range_of_the_parameter_without_a_copy():

@@ -8,7 +8,8 @@ import pytest
 from rollout_sync.errors import HoleError, LayoutError, OverlapError
 from rollout_sync.layout.box import Box
 from rollout_sync.layout.maps import Piece, RankStorage, TensorMap
-from rollout_sync.rollout.probe import LocalTargets, StorageView, fallback_map
+from rollout_sync.rollout.local_targets import LocalTargets, fallback_map
+from rollout_sync.rollout.storage_view import StorageView
 from rollout_sync.rollout.targets import assemble
 
 

@@ -13,9 +13,9 @@ from test_scale_planning import KIMI, QWEN3, QWEN3_MOE, models, whole_model
 from rollout_sync.errors import DryRunSpecError
 from rollout_sync.layout.dtypes import ITEMSIZE
 from rollout_sync.planning.by_layout import plan_model_by_layout
-from rollout_sync.planning.plan import record_width
 from rollout_sync.planning.planner import plan_model
 from rollout_sync.planning.policy import Spread
+from rollout_sync.planning.records import record_width
 from rollout_sync.scale.traffic import (
     Bandwidth,
     Topology,

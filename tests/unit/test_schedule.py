@@ -11,21 +11,21 @@ from hypothesis import strategies as st
 
 from rollout_sync.layout.box import row_major_strides
 from rollout_sync.layout.dtypes import itemsize
-from rollout_sync.planning.plan import Plan, PlanHalf, PlannedTensor, Segment
-from rollout_sync.transport.schedule import (
+from rollout_sync.planning.half import PlanHalf
+from rollout_sync.planning.plan import Plan
+from rollout_sync.planning.records import PlannedTensor, Segment
+from rollout_sync.transport.copies import part_copies
+from rollout_sync.transport.half_check import check_half
+from rollout_sync.transport.messages import (
     ALIGN,
     DIRECT_MIN_BYTES,
     Message,
-    build_schedule,
-    check_half,
     direct_chunk_bytes,
     is_dense,
     pair_messages,
-    part_copies,
-    peers_of,
-    wanted_message_bytes,
     wire_dtype,
 )
+from rollout_sync.transport.schedule import build_schedule, peers_of, wanted_message_bytes
 
 DTYPES = ("float32", "bfloat16", "float16", "float64", "int8")
 

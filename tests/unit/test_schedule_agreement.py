@@ -9,7 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rollout_sync.errors import PlanMismatchError
-from rollout_sync.planning.plan import Plan, PlannedTensor, Segment
+from rollout_sync.planning.plan import Plan
+from rollout_sync.planning.records import PlannedTensor, Segment
 from rollout_sync.transport.agreement import (
     RECORD_BYTES,
     Record,

@@ -39,11 +39,7 @@ def _product_files() -> list[Path]:
 
 def _imported_modules(path: Path) -> set[str]:
     """Every module ``path`` imports (relative imports resolved), at any depth of the file."""
-    package = list(path.relative_to(ROOT).with_suffix("").parts)
-    if package[-1] == "__init__":
-        package = package[:-1]
-    else:
-        package = package[:-1]
+    package = list(path.relative_to(ROOT).with_suffix("").parts)[:-1]  # a module's or __init__'s package
     out: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):

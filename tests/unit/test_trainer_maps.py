@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rollout_sync.errors import LayoutError, NotAffineError, UnsupportedLayoutError
-from rollout_sync.layout.nesting import Layout, Shard, ShardBlock
+from rollout_sync.layout.shards import Layout, Shard, ShardBlock
 from rollout_sync.trainer.deepspeed_geometry import param_alignment_for, round_robin_order, zero12_flat_layout
 from rollout_sync.trainer.facts import LogicalPart, ParamFacts, TrainerFacts, ZeroGroup
 from rollout_sync.trainer.naming import autoep_expert_parts, fused_expert_parts, plain_parts

@@ -1,0 +1,163 @@
+"""The messages of one delta sync (``delta``), round by round: a sender packs each message, compares it with
+its shadow and sends a head (mode and payload bytes) and, unless nothing changed, a payload (the coded
+changes or the whole message), updating its shadow; a receiver takes each head, then its payload, and
+applies it (``delta_landing``) or unpacks it whole.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+import torch
+
+from ..errors import WireFormatError
+from .delta import MAX_CHANGED_SHARE, DeltaProgram, message_itemsize
+from .delta_codec import bits_dtype, changed_positions, encode, max_encoded_bytes
+from .delta_landing import apply_changes
+from .delta_shadow import Shadow
+from .messages import Message
+from .p2p import Op, Pending, Transport
+from .program import PartProgram, pack, unpack
+from .targets import Targets
+
+__all__ = ["DeltaCounts", "run_delta"]
+
+NONE, CODED, WHOLE = 0, 1, 2
+
+
+@dataclass
+class DeltaCounts:
+    """What one delta sync did on one rank: payload bytes per peer (heads included), and, as a sender, how
+    many elements it compared and how many of them had changed."""
+
+    bytes_sent: dict[int, int] = field(default_factory=dict)
+    bytes_received: dict[int, int] = field(default_factory=dict)
+    compared: int = 0
+    changed: int = 0
+    messages_sent: int = 0
+    messages_received: int = 0
+
+
+def run_delta(
+    delta: DeltaProgram,
+    shadow: Shadow,
+    slot: Callable[[str, Message], torch.Tensor],
+    sources: Mapping[str, torch.Tensor],
+    targets: Targets,
+    transport: Transport,
+    add: Callable[[str, float], float],
+) -> DeltaCounts:
+    """The messages of a delta sync, round by round: a sender packs, compares with its shadow, sends head
+    and payload (and updates its shadow); a receiver takes each head, then its payload, and applies it.
+    ``slot(direction, message)``: the message's staging slot; ``add(phase, since)``: the phase clock."""
+    program = delta.program
+    depth = program.schedule.depth
+    counts = DeltaCounts()
+    heads_in: dict[tuple[int, int], torch.Tensor] = {}
+    head_waits: dict[tuple[int, int], Pending] = {}
+    t = time.perf_counter()
+    for entries in program.receives.values():
+        for m, _ in entries:
+            head = torch.zeros(2, dtype=torch.int64)
+            heads_in[(m.peer, m.round)] = head
+            (head_waits[(m.peer, m.round)],) = transport.post(
+                [Op("recv", head, m.peer, 2 * m.round + 1, f"delta head {m.round}")]
+            )
+    t = add("post", t)
+    sent: dict[int, list[Pending]] = {}
+    keep: list[torch.Tensor] = []  # heads on the wire
+
+    def send(m: Message, parts: tuple[PartProgram, ...]) -> None:
+        nonlocal t
+        buf = slot("send", m)
+        pack(buf, parts, sources)
+        t = add("pack", t)
+        itemsize = message_itemsize(parts)
+        mode, payload = WHOLE, buf
+        if itemsize is not None:
+            bits = bits_dtype(itemsize)
+            new = buf.view(bits)
+            old = shadow.of(delta, m).view(bits)
+            counts.compared += new.numel()
+            changed, positions = changed_positions(new, old, new.numel() // MAX_CHANGED_SHARE)
+            counts.changed += changed
+            t = add("compare", t)
+            if positions is None or max_encoded_bytes(changed, itemsize) > buf.numel():
+                old.copy_(new)
+            elif changed == 0:
+                mode, payload = NONE, buf[:0]
+            else:
+                values = new.index_select(0, positions)
+                nbytes = encode(new, old, positions, buf, values)
+                old.index_copy_(0, positions, values)
+                mode, payload = CODED, buf[:nbytes]
+        t = add("code", t)
+        head = torch.tensor([mode, payload.numel()], dtype=torch.int64)
+        keep.append(head)
+        ops = [Op("send", head, m.peer, 2 * m.round + 1, f"delta head {m.round}")]
+        if mode != NONE:
+            ops.append(Op("send", payload, m.peer, 2 * m.round, f"delta round {m.round}"))
+        sent.setdefault(m.round, []).extend(transport.post(ops))
+        counts.bytes_sent[m.peer] = counts.bytes_sent.get(m.peer, 0) + 16 + payload.numel()
+        counts.messages_sent += len(ops)
+        t = add("post", t)
+
+    def receive(round_: int) -> None:
+        nonlocal t
+        entries = program.receives.get(round_, ())
+        posted: list[tuple[Message, tuple[PartProgram, ...], int, torch.Tensor, Pending]] = []
+        for m, parts in entries:
+            transport.wait([head_waits.pop((m.peer, m.round))])
+            mode, nbytes = (int(v) for v in heads_in.pop((m.peer, m.round)))
+            counts.bytes_received[m.peer] = counts.bytes_received.get(m.peer, 0) + 16 + nbytes
+            counts.messages_received += 1
+            if mode == NONE:
+                continue
+            if (
+                mode not in (CODED, WHOLE)
+                or not 0 < nbytes <= m.nbytes
+                or (mode == WHOLE and nbytes != m.nbytes)
+            ):
+                raise WireFormatError(
+                    f"rank {transport.rank}: rank {m.peer} sent a delta head (mode {mode}, {nbytes} bytes) that "
+                    f"does not fit message {m.round} ({m.nbytes} bytes)"
+                )
+            buf = slot("recv", m)[:nbytes]
+            (pending,) = transport.post([Op("recv", buf, m.peer, 2 * m.round, f"delta round {m.round}")])
+            counts.messages_received += 1
+            posted.append((m, parts, mode, buf, pending))
+        t = add("post", t)
+        for m, parts, mode, buf, pending in posted:
+            transport.wait([pending])
+            t = add("wait", t)
+            if mode == WHOLE:
+                unpack(buf, parts, targets)
+            else:
+                itemsize = message_itemsize(parts)
+                if itemsize is None:
+                    raise WireFormatError(
+                        f"rank {transport.rank}: rank {m.peer} coded a message of mixed dtypes"
+                    )
+                try:
+                    apply_changes(buf, delta.landing(m, parts, itemsize), targets, m.nbytes // itemsize)
+                except ValueError as e:
+                    raise WireFormatError(
+                        f"rank {transport.rank}: message {m.round} from rank {m.peer}: {e}"
+                    ) from e
+                for p in parts:
+                    targets.landed(p.name)
+            t = add("unpack", t)
+
+    for r in range(program.schedule.rounds):
+        if r >= depth:
+            transport.wait(sent.pop(r - depth, []))  # its slots are reused now
+            t = add("wait", t)
+        for m, parts in program.sends.get(r, ()):
+            send(m, parts)
+        receive(r)
+    for r in sorted(sent):
+        transport.wait(sent.pop(r))
+    add("wait", t)
+    return counts

@@ -1,0 +1,87 @@
+"""What a sender of delta syncs keeps of what it sent (``delta``).
+
+- ``Shadow``: every message of a ``DeltaProgram`` as this rank last sent it, in one byte buffer (the bytes
+  this rank sends per sync); a delta sync compares each message with it, a full sync refills it.
+- the sample (``take_sample``, ``changed_share``): every ``SAMPLE_STRIDE``-th element of each source storage
+  this rank sends from, in the wire dtype; before the agreement, the share of it that changed tells whether a
+  delta is worth asking for.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from ..planning.half import PlanHalf
+from .delta import DeltaProgram
+from .delta_codec import bits_dtype
+from .messages import Message, wire_dtype
+from .program import pack, torch_dtype
+
+__all__ = ["SAMPLE_STRIDE", "Shadow", "changed_share", "take_sample"]
+
+SAMPLE_STRIDE = 1024
+"""The sample a sender keeps: every 1024th element of each source storage it sends from (denser in small
+ones)."""
+
+
+class Shadow:
+    """What this rank last sent in every message of a delta program (see the module docstring)."""
+
+    def __init__(self, delta: DeltaProgram, device: torch.device) -> None:
+        self.layout = delta.layout
+        self.buffer = torch.zeros(delta.shadow_bytes, dtype=torch.uint8, device=device)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.buffer.numel())
+
+    def of(self, delta: DeltaProgram, m: Message) -> torch.Tensor:
+        at = delta.shadow_at[(m.peer, m.round)]
+        return self.buffer[at : at + m.nbytes]
+
+    def refill(self, delta: DeltaProgram, sources: Mapping[str, torch.Tensor]) -> None:
+        """Pack every message into the shadow (after a full sync: what it sent)."""
+        for entries in delta.program.sends.values():
+            for m, parts in entries:
+                if (m.peer, m.round) in delta.shadow_at:
+                    pack(self.of(delta, m), parts, sources)
+
+
+def _sampled_names(half: PlanHalf) -> dict[str, torch.dtype]:
+    """The source storages this rank sends from, with the dtype each travels in."""
+    out = {}
+    for segment in half.sends:
+        t = half.tensors[segment.tensor]
+        out[t.name] = torch_dtype(wire_dtype(t.source_dtype, t.target_dtype))
+    return out
+
+
+def take_sample(half: PlanHalf, sources: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Every ``SAMPLE_STRIDE``-th element of each contiguous source storage this rank sends from, cast to the
+    dtype it travels in (a change is a change of what the receiver holds)."""
+    return {
+        name: _sampled(sources[name]).to(wire).clone()
+        for name, wire in _sampled_names(half).items()
+        if sources[name].is_contiguous()
+    }
+
+
+def _sampled(storage: torch.Tensor) -> torch.Tensor:
+    """Every ``SAMPLE_STRIDE``-th element of a contiguous storage, denser in small ones (at least 64 samples
+    where it has them): a view."""
+    return storage.view(-1)[:: max(1, min(SAMPLE_STRIDE, storage.numel() // 64))]
+
+
+def changed_share(
+    sample: Mapping[str, torch.Tensor], half: PlanHalf, sources: Mapping[str, torch.Tensor]
+) -> float:
+    """The share of the sampled elements whose bits differ from ``sample`` (taken at the last sync)."""
+    changed = total = 0
+    for name, old in sample.items():
+        new = _sampled(sources[name]).to(old.dtype)
+        bits = bits_dtype(old.element_size())
+        changed += int(torch.count_nonzero(new.view(bits) != old.view(bits)))
+        total += old.numel()
+    return changed / total if total else 0.0

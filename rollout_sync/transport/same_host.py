@@ -1,0 +1,94 @@
+"""An executor's pairs with ranks on its host in other processes (CPU, gloo,
+``ExecuteOptions.shared_memory``).
+
+Their packed messages' slots live in shared memory (``shared_memory``) and only signals cross the group. At
+the first sync with a peer, a probe (``pulls.probe_pulls``) finds whether each of the two can read the
+other's memory; where the receiver can, it pulls direct messages straight from the sender's storage
+(``pulls``). ``SameHostPairs`` holds what this takes across syncs: this rank's shared slots, the peers it
+shares them with, which of them it pulls from or is pulled by (each probed once), and the pull plan of the
+current program.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..planning.half import PlanHalf
+from . import cross_memory
+from .program import Program
+from .pulls import PullPlan, probe_pulls, pull_plan
+from .schedule import Schedule, peers_of
+from .shared_memory import SameHost, SharedSegments, SharedSlots, sweep_stale
+
+__all__ = ["SameHostPairs"]
+
+
+class SameHostPairs:
+    """``same_host``: this group's ranks on this host in other processes; ``enabled``: the group's backend
+    and the options allow shared memory (else this rank has no same-host pairs and every byte goes over the
+    group)."""
+
+    def __init__(self, same_host: SameHost | None, in_process: frozenset[int], enabled: bool) -> None:
+        self.in_process = in_process
+        self.slots: SharedSlots | None = None
+        self.shared: frozenset[int] = frozenset()  # peers whose bytes are pulled or go through shared slots
+        if same_host is not None and enabled:
+            self.slots = SharedSlots(same_host)
+            self.shared = frozenset(same_host.peers) - in_process
+        self.pulls_from: frozenset[int] = frozenset()  # same-host peers this rank can read (probed)
+        self.pulled_by: frozenset[int] = frozenset()  # same-host peers that can read this rank
+        self._probed: set[int] = set()
+        self._pulls_cached: tuple[Program, PullPlan] | None = None
+
+    @property
+    def created_bytes(self) -> int:
+        """Bytes of shared slots this rank made (its send slots to same-host peers)."""
+        return 0 if self.slots is None else self.slots.created_bytes
+
+    def probe(self, group: Any, rank: int, half: PlanHalf, timeout: float) -> None:
+        """Probe the same-host peers this half exchanges bytes with and has not probed yet (``pulls``)."""
+        if self.slots is None or not cross_memory.supported():
+            return
+        send_peers, recv_peers = peers_of(half, self.in_process)
+        peers = sorted((set(send_peers) | set(recv_peers)) & self.shared - self._probed)
+        if not peers:
+            return
+        pids = self.slots.same_host.peers
+        can_pull, pulled_by = probe_pulls(group, rank, peers, pids, timeout)
+        self._probed.update(peers)
+        self.pulls_from |= can_pull
+        self.pulled_by |= pulled_by
+
+    def segments(
+        self, half: PlanHalf, schedule: Schedule, offers: list[int], rank: int
+    ) -> SharedSegments | None:
+        """The shared segments of one transfer; this rank's send segments are made now."""
+        if self.slots is None or not schedule.shared_bytes:
+            return None
+        slots = self.slots
+
+        def key(peer: int) -> str:  # the same on both ends of the pair
+            return f"{half.digest}:{min(offers[rank], offers[peer])}:{schedule.depth}"
+
+        for (direction, peer), nbytes in schedule.shared_bytes.items():
+            if direction == "send":  # made before the first signal, so the peer finds it
+                slots.send_segment(peer, nbytes, key(peer))
+        return SharedSegments(slots, schedule, key)
+
+    def pull_plan(self, program: Program) -> PullPlan:
+        """The runs this rank pulls under ``program`` (computed once per program)."""
+        cached = self._pulls_cached
+        if cached is None or cached[0] is not program:
+            cached = (program, pull_plan(program, self.pulls_from))
+            self._pulls_cached = cached
+        return cached[1]
+
+    def sweep_stale(self) -> None:
+        """After a failed transfer: remove the segments a dead peer made and nobody opened."""
+        if self.slots is not None:
+            sweep_stale(self.slots.directory)
+
+    def close(self) -> None:
+        """Release the shared segments this rank made."""
+        if self.slots is not None:
+            self.slots.close()
