@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
     from vllm import LLM, SamplingParams
 
-    from rollout_sync.integrations.rollout_side import ColocatedRollout
+    from rollout_sync.integrations.engines import ColocatedRollout
     from rollout_sync.integrations.trainer_callback import RolloutSyncCallback
 
     work = Path(args.workdir)

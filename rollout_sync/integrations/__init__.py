@@ -5,6 +5,6 @@
 - ``trainer_callback``: the same sync as a ``transformers.TrainerCallback`` for other Trainer-based loops.
 - ``weight_sync``: what they share: a DeepSpeed engine's trainer side and the vLLM engines' side of one
   sync group, attached once and synced on demand.
-- ``rollout_side``: the vLLM engines as a training process sees them: a server it drives over HTTP, or the
+- ``engines``: the vLLM engines as a training process sees them: a server it drives over HTTP, or the
   engine that lives in this very process.
 """

@@ -18,7 +18,7 @@ from typing import Any
 
 from transformers import TrainerCallback
 
-from .rollout_side import RolloutSide
+from .engines import RolloutSide
 from .weight_sync import WeightSync, check_trainer, deepspeed_engine, is_peft
 
 __all__ = ["RolloutSyncCallback"]

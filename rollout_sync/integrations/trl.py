@@ -33,7 +33,7 @@ from typing import Any
 
 from ..errors import UnsupportedLayoutError
 from ..transport import DEFAULT_STAGING_CAP_BYTES
-from .rollout_side import ColocatedRollout, RolloutSide, ServedRollout
+from .engines import ColocatedRollout, RolloutSide, ServedRollout
 from .weight_sync import WeightSync, check_trainer, deepspeed_engine, is_peft
 
 __all__ = ["TrlWeightSync", "rollout_side", "use_rollout_sync"]

@@ -25,7 +25,7 @@ from ..errors import UnsupportedLayoutError
 from ..sync.endpoint import SyncResult
 from ..transport import DEFAULT_STAGING_CAP_BYTES
 from .background import Background
-from .rollout_side import RolloutSide
+from .engines import RolloutSide
 
 __all__ = ["WeightSync", "changed_fraction", "check_trainer", "deepspeed_engine", "is_peft"]
 

@@ -203,7 +203,7 @@ class Endpoint:
         core in a vLLM worker, starving the engine sharing that core); join again through a new handshake.
         ``refusal``: why this rank must not send (its storage views are stale); every rank then raises a
         ``PlanMismatchError`` naming it, at the agreement, before any byte moves. ``stream``: makes the
-        targets given as meta tensors while they are written (``transport.executor``)."""
+        targets given as meta tensors while they are written (``transport.full_transfer``)."""
         if self.closed:
             raise PeerFailedError(
                 f"rank {self.rank}: this endpoint left its sync group (a failed sync or a detach closed it); "
