@@ -47,6 +47,19 @@ from ..layout.maps import TensorMap
 from ..layout.nesting import nest
 from ..layout.shards import Layout, Shard, ShardStorage, Whole
 
+__all__ = [
+    "vllm_column_map",
+    "vllm_engine_ranks",
+    "vllm_expert_map",
+    "vllm_expert_owner",
+    "vllm_gate_up_part_map",
+    "vllm_qkv_part_map",
+    "vllm_replicated_map",
+    "vllm_row_map",
+    "vllm_vocab_map",
+    "vllm_vocab_rows",
+]
+
 # ----------------------------------------------------------------------------------------------------------
 # vLLM targets. ``engine_ranks[k]`` lists engine k's workers' global ranks in TP-rank order; the same
 # tensor on several engines gives replicas (holders across engines).
@@ -226,3 +239,14 @@ def vllm_expert_map(
     owner, _ = vllm_expert_owner(expert, num_experts, tp, placement)
     layout = Layout(name, shape, {owner: Shard.of_box((0,) * len(shape), shape)})
     return _engines(layout, dtype, engine_ranks)
+
+
+def vllm_engine_ranks(engines: int, tp: int, first_rank: int) -> tuple[tuple[int, ...], ...]:
+    """Per engine, its workers' global ranks in TP-rank order."""
+    if engines <= 0 or tp <= 0 or first_rank < 0:
+        raise LayoutError(
+            "bad rollout sizes",
+            expected="engines > 0, tp > 0, first_rank >= 0",
+            found=(engines, tp, first_rank),
+        )
+    return tuple(tuple(first_rank + k * tp + w for w in range(tp)) for k in range(engines))

@@ -1,7 +1,9 @@
-"""Model shape tables (logical tensors and their kinds) and whole-model map builders per side."""
+"""Shape tables: the logical tensors of model families (names, shapes, kinds) from a config, presets with
+published shapes, and whole-model maps per side (``trainer_maps``, ``vllm_target_maps``) composed from
+each side's geometry (``trainer.deepspeed_geometry``, ``rollout.vllm_geometry``)."""
 
 from .presets import PRESETS, preset, preset_config
-from .sides import autotp_layout, trainer_maps, trainer_rank_table, vllm_engine_ranks, vllm_target_maps
+from .sides import trainer_maps, vllm_target_maps
 from .tensors import KINDS, LogicalTensor, ModelTensors, model_tensors
 
 __all__ = [
@@ -9,12 +11,9 @@ __all__ = [
     "PRESETS",
     "LogicalTensor",
     "ModelTensors",
-    "autotp_layout",
     "model_tensors",
     "preset",
     "preset_config",
     "trainer_maps",
-    "trainer_rank_table",
-    "vllm_engine_ranks",
     "vllm_target_maps",
 ]

@@ -1,6 +1,7 @@
 """Every map of a model, from shapes alone, for each side: ``trainer_maps`` (DeepSpeed sources) and
 ``vllm_target_maps`` (vLLM targets). The plan benchmark and the dry-run simulator call these; the live
-adapters must produce identical maps.
+adapters must produce identical maps. This module only composes: DeepSpeed's arithmetic (AutoTP splits,
+ZeRO storages, the rank table) is in ``trainer.deepspeed_geometry``, vLLM's in ``rollout.vllm_geometry``.
 
 Global-rank numbering of the sync group:
 
@@ -26,6 +27,7 @@ from ..layout.nesting import nest
 from ..layout.shards import Layout, Shard, ShardStorage, Whole
 from ..rollout.vllm_geometry import (
     vllm_column_map,
+    vllm_engine_ranks,
     vllm_expert_map,
     vllm_expert_owner,
     vllm_gate_up_part_map,
@@ -34,82 +36,17 @@ from ..rollout.vllm_geometry import (
     vllm_row_map,
     vllm_vocab_map,
 )
-from ..trainer.deepspeed_geometry import autotp_shard_sizes, tp_zero_map, zero3_runs
+from ..trainer.deepspeed_geometry import autotp_split, tp_zero_map, trainer_rank_table, zero3_runs
 from .tensors import LogicalTensor, ModelTensors
 
 __all__ = [
     "VLLM_VIEW_MODEL_TYPES",
-    "autotp_layout",
     "trainer_maps",
-    "trainer_rank_table",
-    "vllm_engine_ranks",
     "vllm_param_views",
     "vllm_target_maps",
 ]
 
 _EXPERT_KINDS = ("expert_gate", "expert_up", "expert_down")
-
-
-def trainer_rank_table(dp: int, tp: int) -> tuple[tuple[int, ...], ...]:
-    """``table[tp_rank][dp_rank] = dp_rank · tp + tp_rank`` (DeepSpeed's AutoTP mesh)."""
-    if dp <= 0 or tp <= 0:
-        raise LayoutError("bad trainer sizes", expected="dp > 0 and tp > 0", found=(dp, tp))
-    return tuple(tuple(d * tp + t for d in range(dp)) for t in range(tp))
-
-
-def vllm_engine_ranks(engines: int, tp: int, first_rank: int) -> tuple[tuple[int, ...], ...]:
-    """Per engine, its workers' global ranks in TP-rank order."""
-    if engines <= 0 or tp <= 0 or first_rank < 0:
-        raise LayoutError(
-            "bad rollout sizes",
-            expected="engines > 0, tp > 0, first_rank >= 0",
-            found=(engines, tp, first_rank),
-        )
-    return tuple(tuple(first_rank + k * tp + w for w in range(tp)) for k in range(engines))
-
-
-def autotp_layout(
-    t: LogicalTensor, tp: int, num_kv_heads: int | None, grain: int = 1, *, tied: bool = False
-) -> Layout:
-    """DeepSpeed AutoTP's layout of one logical tensor over ``tp`` TP ranks (training mode, through
-    transformers' ``base_model_tp_plan``): for Qwen3 ``q``/``k``/``v``/``gate``/``up`` and ``lm_head`` are
-    split along rows, ``o_proj``/``down_proj`` along columns, with ``autotp_shard_sizes``; ``embed_tokens``,
-    norms and routers whole on every TP rank (measured on tiny Qwen3, notes/deepspeed-on-cpu.md §3).
-
-    Refused (``UnsupportedLayoutError``) rather than guessed: MoE experts (DeepSpeed 0.19.8 refuses their
-    ``packed_colwise``/``moe_tp_experts`` plan styles) and MLA's column-parallel projections (never
-    measured under AutoTP; transformers' DeepSeek-V3 plan leaves attention whole).
-
-    ``tied``: the model ties ``lm_head`` to ``embed_tokens``; AutoTP splits the shared parameter by rows as
-    it splits ``lm_head`` (measured on a tied tiny Qwen3), so ``embed_tokens`` is split the same way."""
-    split = _autotp_split(t, tp, num_kv_heads, grain, tied)
-    if split is None:
-        return replicated_layout(t.name, t.shape, tp)
-    return split_layout(t.name, t.shape, split[0], split[1])
-
-
-def _autotp_split(
-    t: LogicalTensor, tp: int, num_kv_heads: int | None, grain: int, tied: bool = False
-) -> tuple[int, tuple[int, ...]] | None:
-    """``(dim, sizes)`` of AutoTP's split of ``t``, or None where every TP rank holds it whole."""
-    if tp == 1 or t.buffer:
-        return None
-    module = t.name.rsplit(".", 1)[0]
-    if tied and t.kind == "vocab" and module.endswith("embed_tokens"):
-        return 0, autotp_shard_sizes(t.shape[0], tp, "lm_head", num_kv_heads, grain)
-    if t.kind in ("q", "k", "v", "gate", "up") or (t.kind == "vocab" and module == "lm_head"):
-        dim = 0
-    elif t.kind == "row" and len(t.shape) >= 2:
-        dim = len(t.shape) - 1
-    elif t.kind in ("replicated", "vocab", "row"):
-        return None
-    else:
-        raise UnsupportedLayoutError(
-            "AutoTP layout of this kind is not known (MoE experts, MLA projections)",
-            tensor=t.name,
-            found=t.kind,
-        )
-    return dim, autotp_shard_sizes(t.shape[dim], tp, module, num_kv_heads, grain)
 
 
 def _reused(cache: dict[object, TensorMap], key: object, t: LogicalTensor, dtype: str) -> TensorMap | None:
@@ -136,7 +73,7 @@ def trainer_maps(
 ) -> list[TensorMap]:
     """Source maps of every logical tensor of ``model`` held by a DeepSpeed engine of ``dp × tp`` ranks.
 
-    Dense tensors: AutoTP layout (``autotp_layout``) × ZeRO storage of each TP shard over its DP group
+    Dense tensors: AutoTP layout (``autotp_shape_layout``) × ZeRO storage of each TP shard over its DP group
     (``tp_zero_map``; ZeRO-3 partitions with ``alignment``). Buffers: whole on every rank.
 
     Experts:
@@ -185,7 +122,7 @@ def trainer_maps(
         elif t.kind in _EXPERT_KINDS:
             key = (t.kind, t.expert, t.shape, tdtype)
         else:
-            split = _autotp_split(t, tp, model.num_kv_heads, tp_grain, model.tied_embeddings)
+            split = autotp_split(t, tp, model.num_kv_heads, tp_grain, model.tied_embeddings)
             key = ("dense", t.shape, tdtype, split)
         m = _reused(cache, key, t, tdtype)
         if m is None:

@@ -29,12 +29,31 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from math import gcd, prod
+from typing import TYPE_CHECKING
 
-from ..errors import LayoutError
-from ..layout.builders import replicated_map
+from ..errors import LayoutError, UnsupportedLayoutError
+from ..layout.builders import replicated_layout, replicated_map, split_layout
 from ..layout.maps import TensorMap
 from ..layout.nesting import nest
 from ..layout.shards import FlatRun, FlatRuns, Layout, Shard, ShardStorage, Whole
+
+if TYPE_CHECKING:
+    from ..shapes.tensors import LogicalTensor
+
+__all__ = [
+    "autotp_shape_layout",
+    "autotp_shard_sizes",
+    "autotp_split",
+    "param_alignment_for",
+    "round_robin_order",
+    "tp_zero_map",
+    "trainer_rank_table",
+    "zero3_map",
+    "zero3_partition_numel",
+    "zero3_runs",
+    "zero12_flat_layout",
+    "zero_replica_map",
+]
 
 NCCL_START_ALIGNMENT_FACTOR = 2
 
@@ -211,3 +230,54 @@ def tp_zero_map(
         else:
             storages[tp_rank] = Whole(dp_ranks)
     return nest(layout, storages, dtype=dtype)
+
+
+def trainer_rank_table(dp: int, tp: int) -> tuple[tuple[int, ...], ...]:
+    """``table[tp_rank][dp_rank] = dp_rank · tp + tp_rank`` (DeepSpeed's AutoTP mesh)."""
+    if dp <= 0 or tp <= 0:
+        raise LayoutError("bad trainer sizes", expected="dp > 0 and tp > 0", found=(dp, tp))
+    return tuple(tuple(d * tp + t for d in range(dp)) for t in range(tp))
+
+
+def autotp_shape_layout(
+    t: LogicalTensor, tp: int, num_kv_heads: int | None, grain: int = 1, *, tied: bool = False
+) -> Layout:
+    """DeepSpeed AutoTP's layout of one logical tensor over ``tp`` TP ranks (training mode, through
+    transformers' ``base_model_tp_plan``): for Qwen3 ``q``/``k``/``v``/``gate``/``up`` and ``lm_head`` are
+    split along rows, ``o_proj``/``down_proj`` along columns, with ``autotp_shard_sizes``; ``embed_tokens``,
+    norms and routers whole on every TP rank (measured on tiny Qwen3, notes/deepspeed-on-cpu.md §3).
+
+    Refused (``UnsupportedLayoutError``) rather than guessed: MoE experts (DeepSpeed 0.19.8 refuses their
+    ``packed_colwise``/``moe_tp_experts`` plan styles) and MLA's column-parallel projections (never
+    measured under AutoTP; transformers' DeepSeek-V3 plan leaves attention whole).
+
+    ``tied``: the model ties ``lm_head`` to ``embed_tokens``; AutoTP splits the shared parameter by rows as
+    it splits ``lm_head`` (measured on a tied tiny Qwen3), so ``embed_tokens`` is split the same way."""
+    split = autotp_split(t, tp, num_kv_heads, grain, tied)
+    if split is None:
+        return replicated_layout(t.name, t.shape, tp)
+    return split_layout(t.name, t.shape, split[0], split[1])
+
+
+def autotp_split(
+    t: LogicalTensor, tp: int, num_kv_heads: int | None, grain: int, tied: bool = False
+) -> tuple[int, tuple[int, ...]] | None:
+    """``(dim, sizes)`` of AutoTP's split of ``t``, or None where every TP rank holds it whole."""
+    if tp == 1 or t.buffer:
+        return None
+    module = t.name.rsplit(".", 1)[0]
+    if tied and t.kind == "vocab" and module.endswith("embed_tokens"):
+        return 0, autotp_shard_sizes(t.shape[0], tp, "lm_head", num_kv_heads, grain)
+    if t.kind in ("q", "k", "v", "gate", "up") or (t.kind == "vocab" and module == "lm_head"):
+        dim = 0
+    elif t.kind == "row" and len(t.shape) >= 2:
+        dim = len(t.shape) - 1
+    elif t.kind in ("replicated", "vocab", "row"):
+        return None
+    else:
+        raise UnsupportedLayoutError(
+            "AutoTP layout of this kind is not known (MoE experts, MLA projections)",
+            tensor=t.name,
+            found=t.kind,
+        )
+    return dim, autotp_shard_sizes(t.shape[dim], tp, module, num_kv_heads, grain)

@@ -10,7 +10,7 @@ engines by ``tests/deepspeed/test_trainer_storage.py``):
   ``up_proj``, ``down_proj``; a Qwen3-MoE block: fused ``experts.gate_up_proj``, ``experts.down_proj``,
   then ``gate``; under AutoEP: ``router.gate``, packed ``experts.w1``, ``w2``, ``w3``), the two layer norms,
   then the final norm and ``lm_head``;
-- AutoTP (``rollout_sync.shapes.autotp_layout`` with ``tied``: a tied embedding is split along the vocab
+- AutoTP (``rollout_sync.trainer.deepspeed_geometry.autotp_shape_layout`` with ``tied``: a tied embedding is split along the vocab
   like the ``lm_head`` it is, since AutoTP partitions ``lm_head``, which shares the parameter);
 - AutoEP: EP rank ``k`` packs experts ``[k·E/ep, (k+1)·E/ep)``; EP groups are consecutive ranks, the
   expert-data-parallel group of EP rank ``k`` is ``[k, k + ep, ...]``; ZeRO-1/2 put the experts in their
@@ -27,9 +27,14 @@ from math import prod
 
 from ..errors import LayoutError, UnsupportedLayoutError
 from ..layout.shards import Layout
-from ..shapes.sides import autotp_layout, trainer_rank_table
 from ..shapes.tensors import LogicalTensor, ModelTensors
-from .deepspeed_geometry import param_alignment_for, round_robin_order, zero12_flat_layout
+from .deepspeed_geometry import (
+    autotp_shape_layout,
+    param_alignment_for,
+    round_robin_order,
+    trainer_rank_table,
+    zero12_flat_layout,
+)
 from .facts import LogicalPart, ParamFacts, TrainerFacts, ZeroGroup
 from .naming import autoep_expert_parts, fused_expert_parts, plain_parts
 from .placement import autoep_layout, single_layout
@@ -97,7 +102,7 @@ def dry_run_facts(
 
     def dense(t: LogicalTensor) -> None:
         if tp > 1:
-            layout = autotp_layout(t, tp, model.num_kv_heads, tp_grain, tied=model.tied_embeddings)
+            layout = autotp_shape_layout(t, tp, model.num_kv_heads, tp_grain, tied=model.tied_embeddings)
         else:
             layout = single_layout(t.name, t.shape)
         params.append(

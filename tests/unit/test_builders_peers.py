@@ -69,7 +69,7 @@ def test_deepspeed_autotp_groups_follow_the_trainer_rank_table(
     ``dist``: every rank's TP and DP groups are the rows and columns of ``trainer_rank_table``."""
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     groups = pytest.importorskip("deepspeed.utils.groups")
-    from rollout_sync.shapes import trainer_rank_table
+    from rollout_sync.trainer.deepspeed_geometry import trainer_rank_table
 
     table = trainer_rank_table(dp, tp)
     for rank in range(dp * tp):

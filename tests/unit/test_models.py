@@ -12,17 +12,9 @@ from test_nesting import arange, check_storages, check_tiling, zero3_parts
 
 from rollout_sync.errors import LayoutError, UnsupportedLayoutError
 from rollout_sync.layout.builders import split_layout
-from rollout_sync.rollout.vllm_geometry import vllm_qkv_part_map
-from rollout_sync.shapes import (
-    PRESETS,
-    model_tensors,
-    preset,
-    trainer_maps,
-    trainer_rank_table,
-    vllm_engine_ranks,
-    vllm_target_maps,
-)
-from rollout_sync.trainer.deepspeed_geometry import tp_zero_map
+from rollout_sync.rollout.vllm_geometry import vllm_engine_ranks, vllm_qkv_part_map
+from rollout_sync.shapes import PRESETS, model_tensors, preset, trainer_maps, vllm_target_maps
+from rollout_sync.trainer.deepspeed_geometry import tp_zero_map, trainer_rank_table
 
 TINY_QWEN3: dict[str, Any] = {
     "model_type": "qwen3",
@@ -323,11 +315,11 @@ def test_a_large_moe_dry_run_builds_every_map() -> None:
 
 
 def test_autotp_layout_of_mla_projections_is_refused_not_guessed() -> None:
-    from rollout_sync.shapes import autotp_layout
+    from rollout_sync.trainer.deepspeed_geometry import autotp_shape_layout
 
     m = model_tensors(TINY_DEEPSEEK)
     q_b = m.by_name()["model.layers.0.self_attn.q_b_proj.weight"]
     with pytest.raises(UnsupportedLayoutError):
-        autotp_layout(q_b, 2, m.num_kv_heads)
+        autotp_shape_layout(q_b, 2, m.num_kv_heads)
     shared = m.by_name()["model.layers.1.mlp.shared_experts.down_proj.weight"]
-    assert sorted(autotp_layout(shared, 2, m.num_kv_heads).shards) == [0, 1]
+    assert sorted(autotp_shape_layout(shared, 2, m.num_kv_heads).shards) == [0, 1]
