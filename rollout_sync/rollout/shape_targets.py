@@ -2,7 +2,7 @@
 
 The fast path of setup: ``vllm_target_maps`` (the arithmetic of vLLM's loaders: output partition sizes, TP
 rank, vocab padding, expert placement) gives each tensor's boxes and storage shape on this worker;
-``vllm_param_views`` gives the parameter and offset of each storage. The result has exactly the form the
+``vllm_param_views`` (here: vLLM's parameter names and fused offsets) gives the parameter and offset of each storage. The result has exactly the form the
 loader probe produces (``local_targets.LocalTargets``: one rank, holders this rank alone) and is confirmed
 on the live engine by ``check.check_targets`` before it is used.
 """
@@ -10,15 +10,17 @@ on the live engine by ``check.check_targets`` before it is used.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from math import prod
 
-from ..errors import UnsupportedLayoutError
+from ..errors import LayoutError, UnsupportedLayoutError
 from ..layout.maps import Piece, RankStorage, TensorMap
-from ..shapes.sides import vllm_param_views, vllm_target_maps
-from ..shapes.tensors import ModelTensors
+from ..shapes.sides import vllm_target_maps
+from ..shapes.tensors import EXPERT_KINDS, ModelTensors
 from .local_targets import LocalTargets
 from .storage_view import StorageView
+from .vllm_geometry import vllm_expert_owner
 
-__all__ = ["shape_targets"]
+__all__ = ["VLLM_VIEW_MODEL_TYPES", "shape_targets", "vllm_param_views"]
 
 
 def shape_targets(
@@ -85,3 +87,80 @@ def shape_targets(
         maps[name] = TensorMap(name, tuple(shapes[name]), dtype, {rank: local})
         views[name] = StorageView(param, offset, storage.shape)
     return LocalTargets(rank, maps, views, {}, tuple(absent))
+
+
+# vLLM model types whose parameter names and fused layouts ``vllm_param_views`` knows (vLLM 0.32
+# ``models/qwen3.py``, ``qwen3_moe.py``: ``packed_modules_mapping`` and ``FusedMoE`` expert parameters).
+VLLM_VIEW_MODEL_TYPES = frozenset({"qwen3", "qwen3_moe"})
+_FUSED_PARTS = {"q": ("qkv_proj", "qkv"), "k": ("qkv_proj", "qkv"), "v": ("qkv_proj", "qkv")}
+_FUSED_PARTS |= {"gate": ("gate_up_proj", "gu"), "up": ("gate_up_proj", "gu")}
+_PART_ORDER = {"qkv": ("q_proj", "k_proj", "v_proj"), "gu": ("gate_proj", "up_proj")}
+
+
+def vllm_param_views(
+    model: ModelTensors,
+    storages: Mapping[str, tuple[int, ...]],
+    *,
+    tp: int,
+    ep: int = 1,
+    placement: str = "linear",
+) -> dict[str, tuple[str, int]]:
+    """Where each tensor's storage sits in one vLLM worker's parameters: ``name -> (parameter, flat
+    offset)`` for every tensor in ``storages`` (name -> storage shape on this worker, as the target maps
+    give it), by vLLM's own arithmetic:
+
+    - ``q``/``k``/``v`` in ``qkv_proj`` one after another, ``gate``/``up`` in ``gate_up_proj``: a part's
+      offset is the sum of the storages of the parts before it on this worker (``QKVParallelLinear``,
+      ``MergedColumnParallelLinear`` shard offsets);
+    - routed experts in ``FusedMoE``'s ``experts.routed_experts.w13_weight [E_local, 2·I_local, H]`` (gate
+      then up) and ``experts.routed_experts.w2_weight [E_local, H, I_local]`` (vLLM 0.32's names), at the expert's local index (``vllm_expert_owner`` under
+      expert parallelism, the expert's own index without);
+    - every other tensor is its own parameter, from offset 0.
+
+    Only for ``VLLM_VIEW_MODEL_TYPES``; another model type raises ``UnsupportedLayoutError`` (its storage
+    views are learned by probing the loaders instead)."""
+    if model.model_type not in VLLM_VIEW_MODEL_TYPES:
+        raise UnsupportedLayoutError(
+            "no vLLM parameter arithmetic for this model type",
+            tensor=model.model_type,
+            expected=f"one of {sorted(VLLM_VIEW_MODEL_TYPES)}",
+            found=model.model_type,
+        )
+    kinds = {t.name: t for t in model.tensors}
+    out: dict[str, tuple[str, int]] = {}
+    for name, shape in storages.items():
+        t = kinds.get(name)
+        if t is None:
+            raise LayoutError("tensor not in the model's shape table", tensor=name, found=model.model_type)
+        module, _, leaf = name.rpartition(".")
+        parent, _, proj = module.rpartition(".")
+        if t.kind in _FUSED_PARTS:
+            fused, group = _FUSED_PARTS[t.kind]
+            offset = 0
+            for part in _PART_ORDER[group]:
+                if part == proj:
+                    break
+                sibling = f"{parent}.{part}.{leaf}"
+                if sibling not in storages:
+                    raise LayoutError(
+                        "a fused part's offset needs the storages of the parts before it",
+                        tensor=name,
+                        expected=f"a storage for {sibling!r} on this worker",
+                        found="none",
+                    )
+                offset += prod(storages[sibling])
+            out[name] = (f"{parent}.{fused}.{leaf}", offset)
+        elif t.kind in EXPERT_KINDS:
+            experts, _, index = parent.rpartition(".")
+            local = (
+                int(index) if ep == 1 else vllm_expert_owner(int(index), model.num_experts, tp, placement)[1]
+            )
+            numel = prod(shape)
+            if t.kind == "expert_down":
+                out[name] = (f"{experts}.routed_experts.w2_{leaf}", local * numel)
+            else:
+                up = numel if t.kind == "expert_up" else 0
+                out[name] = (f"{experts}.routed_experts.w13_{leaf}", local * 2 * numel + up)
+        else:
+            out[name] = (name, 0)
+    return out

@@ -17,7 +17,7 @@ Global-rank numbering of the sync group:
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from math import prod
 
 from ..errors import LayoutError, UnsupportedLayoutError
@@ -29,7 +29,6 @@ from ..rollout.vllm_geometry import (
     vllm_column_map,
     vllm_engine_ranks,
     vllm_expert_map,
-    vllm_expert_owner,
     vllm_gate_up_part_map,
     vllm_qkv_part_map,
     vllm_replicated_map,
@@ -37,16 +36,12 @@ from ..rollout.vllm_geometry import (
     vllm_vocab_map,
 )
 from ..trainer.deepspeed_geometry import autotp_split, tp_zero_map, trainer_rank_table, zero3_runs
-from .tensors import LogicalTensor, ModelTensors
+from .tensors import EXPERT_KINDS, LogicalTensor, ModelTensors
 
 __all__ = [
-    "VLLM_VIEW_MODEL_TYPES",
     "trainer_maps",
-    "vllm_param_views",
     "vllm_target_maps",
 ]
-
-_EXPERT_KINDS = ("expert_gate", "expert_up", "expert_down")
 
 
 def _reused(cache: dict[object, TensorMap], key: object, t: LogicalTensor, dtype: str) -> TensorMap | None:
@@ -96,7 +91,7 @@ def trainer_maps(
             "rank table is not tp × dp", expected=(tp, dp), found=(len(table), [len(r) for r in table])
         )
     world = tuple(sorted(r for row in table for r in row))
-    has_experts = any(t.kind in _EXPERT_KINDS for t in model.tensors)
+    has_experts = any(t.kind in EXPERT_KINDS for t in model.tensors)
     if has_experts and tp > 1:
         raise UnsupportedLayoutError(
             "AutoTP with MoE experts (DeepSpeed 0.19.8 refuses the experts' tp_plan styles)",
@@ -119,7 +114,7 @@ def trainer_maps(
         key: object
         if t.buffer:
             key = ("buffer", t.shape, tdtype)
-        elif t.kind in _EXPERT_KINDS:
+        elif t.kind in EXPERT_KINDS:
             key = (t.kind, t.expert, t.shape, tdtype)
         else:
             split = autotp_split(t, tp, model.num_kv_heads, tp_grain, model.tied_embeddings)
@@ -128,7 +123,7 @@ def trainer_maps(
         if m is None:
             if t.buffer:
                 m = replicated_map(t.name, t.shape, tdtype, world)
-            elif t.kind in _EXPERT_KINDS:
+            elif t.kind in EXPERT_KINDS:
                 m = _trainer_expert(t, model, zero_stage, table, ep, tdtype, alignment)
             else:
                 layout = (
@@ -208,7 +203,7 @@ def vllm_target_maps(
         if not t.in_vllm:
             continue
         tdtype = t.dtype or dtype
-        key = (t.kind, t.shape, tdtype, t.expert if t.kind in _EXPERT_KINDS else None)
+        key = (t.kind, t.shape, tdtype, t.expert if t.kind in EXPERT_KINDS else None)
         m = _reused(cache, key, t, tdtype)
         if m is None:
             m = cache[key] = _vllm_map(t, model, tdtype, engine_ranks, ep, placement, vocab_padding)
@@ -247,7 +242,7 @@ def _vllm_map(
         m = vllm_vocab_map(t.name, t.shape, tdtype, engine_ranks, vocab_padding)
     elif kind == "replicated":
         m = vllm_replicated_map(t.name, t.shape, tdtype, engine_ranks)
-    elif kind in _EXPERT_KINDS:
+    elif kind in EXPERT_KINDS:
         m = vllm_expert_map(
             t.name,
             t.shape,
@@ -262,80 +257,3 @@ def _vllm_map(
     else:
         raise LayoutError("unknown tensor kind", tensor=t.name, found=kind)
     return m
-
-
-# vLLM model types whose parameter names and fused layouts ``vllm_param_views`` knows (vLLM 0.32
-# ``models/qwen3.py``, ``qwen3_moe.py``: ``packed_modules_mapping`` and ``FusedMoE`` expert parameters).
-VLLM_VIEW_MODEL_TYPES = frozenset({"qwen3", "qwen3_moe"})
-_FUSED_PARTS = {"q": ("qkv_proj", "qkv"), "k": ("qkv_proj", "qkv"), "v": ("qkv_proj", "qkv")}
-_FUSED_PARTS |= {"gate": ("gate_up_proj", "gu"), "up": ("gate_up_proj", "gu")}
-_PART_ORDER = {"qkv": ("q_proj", "k_proj", "v_proj"), "gu": ("gate_proj", "up_proj")}
-
-
-def vllm_param_views(
-    model: ModelTensors,
-    storages: Mapping[str, tuple[int, ...]],
-    *,
-    tp: int,
-    ep: int = 1,
-    placement: str = "linear",
-) -> dict[str, tuple[str, int]]:
-    """Where each tensor's storage sits in one vLLM worker's parameters: ``name -> (parameter, flat
-    offset)`` for every tensor in ``storages`` (name -> storage shape on this worker, as the target maps
-    give it), by vLLM's own arithmetic:
-
-    - ``q``/``k``/``v`` in ``qkv_proj`` one after another, ``gate``/``up`` in ``gate_up_proj``: a part's
-      offset is the sum of the storages of the parts before it on this worker (``QKVParallelLinear``,
-      ``MergedColumnParallelLinear`` shard offsets);
-    - routed experts in ``FusedMoE``'s ``experts.routed_experts.w13_weight [E_local, 2·I_local, H]`` (gate
-      then up) and ``experts.routed_experts.w2_weight [E_local, H, I_local]`` (vLLM 0.32's names), at the expert's local index (``vllm_expert_owner`` under
-      expert parallelism, the expert's own index without);
-    - every other tensor is its own parameter, from offset 0.
-
-    Only for ``VLLM_VIEW_MODEL_TYPES``; another model type raises ``UnsupportedLayoutError`` (its storage
-    views are learned by probing the loaders instead)."""
-    if model.model_type not in VLLM_VIEW_MODEL_TYPES:
-        raise UnsupportedLayoutError(
-            "no vLLM parameter arithmetic for this model type",
-            tensor=model.model_type,
-            expected=f"one of {sorted(VLLM_VIEW_MODEL_TYPES)}",
-            found=model.model_type,
-        )
-    kinds = {t.name: t for t in model.tensors}
-    out: dict[str, tuple[str, int]] = {}
-    for name, shape in storages.items():
-        t = kinds.get(name)
-        if t is None:
-            raise LayoutError("tensor not in the model's shape table", tensor=name, found=model.model_type)
-        module, _, leaf = name.rpartition(".")
-        parent, _, proj = module.rpartition(".")
-        if t.kind in _FUSED_PARTS:
-            fused, group = _FUSED_PARTS[t.kind]
-            offset = 0
-            for part in _PART_ORDER[group]:
-                if part == proj:
-                    break
-                sibling = f"{parent}.{part}.{leaf}"
-                if sibling not in storages:
-                    raise LayoutError(
-                        "a fused part's offset needs the storages of the parts before it",
-                        tensor=name,
-                        expected=f"a storage for {sibling!r} on this worker",
-                        found="none",
-                    )
-                offset += prod(storages[sibling])
-            out[name] = (f"{parent}.{fused}.{leaf}", offset)
-        elif t.kind in _EXPERT_KINDS:
-            experts, _, index = parent.rpartition(".")
-            local = (
-                int(index) if ep == 1 else vllm_expert_owner(int(index), model.num_experts, tp, placement)[1]
-            )
-            numel = prod(shape)
-            if t.kind == "expert_down":
-                out[name] = (f"{experts}.routed_experts.w2_{leaf}", local * numel)
-            else:
-                up = numel if t.kind == "expert_up" else 0
-                out[name] = (f"{experts}.routed_experts.w13_{leaf}", local * 2 * numel + up)
-        else:
-            out[name] = (name, 0)
-    return out

@@ -32,7 +32,7 @@ from typing import Any
 
 from ..errors import LayoutError
 
-__all__ = ["KINDS", "LogicalTensor", "ModelTensors", "model_tensors"]
+__all__ = ["EXPERT_KINDS", "KINDS", "LogicalTensor", "ModelTensors", "model_tensors"]
 
 KINDS = frozenset(
     {
@@ -50,6 +50,7 @@ KINDS = frozenset(
         "expert_down",
     }
 )
+EXPERT_KINDS = ("expert_gate", "expert_up", "expert_down")
 
 
 @dataclass(frozen=True, slots=True)
