@@ -22,7 +22,7 @@ import torch
 from rollout_sync.trainer.engine_parts import autoep_layers
 from rollout_sync.trainer.naming import autoep_expert_parts, autoep_router_name
 
-__all__ = ["full_logical_tensors", "logical_tensors", "save_checkpoint"]
+__all__ = ["assembled", "full_logical_tensors", "local_param", "logical_tensors", "save_checkpoint"]
 
 
 def _all_gather(local: torch.Tensor, group: Any) -> list[torch.Tensor]:
@@ -33,14 +33,22 @@ def _all_gather(local: torch.Tensor, group: Any) -> list[torch.Tensor]:
     return parts
 
 
-def _full_param(p: Any) -> torch.Tensor:
+def local_param(p: Any) -> torch.Tensor:
+    """This rank's copy of parameter ``p``'s low-precision data: the whole parameter under ZeRO-3 (gathered
+    with ``GatheredParameters``), else the rank's own (AutoTP or AutoEP) shard. Collective under ZeRO-3."""
     import deepspeed
 
     if hasattr(p, "ds_tensor"):
         with deepspeed.zero.GatheredParameters([p]):
-            local = p.data.detach().clone()
-    else:
-        local = p.data.detach().clone()
+            return p.data.detach().clone()
+    return p.data.detach().clone()
+
+
+def assembled(p: Any, local: torch.Tensor) -> torch.Tensor:
+    """The full tensor of parameter ``p`` (any state of it) from this rank's ``local`` one: AutoEP's packed
+    experts all-gathered over the EP group (EP rank ``k`` packs experts ``[k·L, (k+1)·L)``), AutoTP shards
+    all-gathered over the TP group and concatenated along the recorded ``partition_dim``; anything else is
+    ``local`` itself. Collective over those groups."""
     local = local.reshape(tuple(getattr(p, "ds_shape", p.shape)))
     if hasattr(p, "ds_autoep_uc_meta"):
         from deepspeed.utils import groups
@@ -84,7 +92,7 @@ def logical_tensors(module: torch.nn.Module, full: Mapping[str, torch.Tensor]) -
 def full_logical_tensors(engine: Any) -> dict[str, torch.Tensor]:
     """Every logical tensor of the engine's low-precision weights (collective: call on every rank)."""
     return logical_tensors(
-        engine.module, {name: _full_param(p) for name, p in engine.module.named_parameters()}
+        engine.module, {name: assembled(p, local_param(p)) for name, p in engine.module.named_parameters()}
     )
 
 

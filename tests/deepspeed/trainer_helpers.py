@@ -5,9 +5,9 @@ The references are taken independently of the maps:
 - before any step, the checkpoint the engine was loaded from (``safetensors``, saved names);
 - after a step, DeepSpeed's own gathers: ``GatheredParameters`` for ZeRO-3 partitions,
   ``safe_get_full_fp32_param`` / ``safe_get_full_optimizer_state`` for master weights and Adam states, then
-  the TP shards concatenated along the ``partition_dim`` AutoTP records and the EP ranks' packed experts
-  concatenated in DeepSpeed's packing order (EP rank ``k`` packs experts ``[k·L, (k+1)·L)``), named as
-  checkpoint keys by ``testbed.checkpoints.logical_tensors`` (that is, by ``rollout_sync.trainer.naming``).
+  the TP shards and the EP ranks' packed experts put together by ``testbed.checkpoints.assembled`` (the
+  same gathers the example and the end-to-end tests check syncs with), named as checkpoint keys by
+  ``testbed.checkpoints.logical_tensors`` (that is, by ``rollout_sync.trainer.naming``).
   Those names are no oracle of the maps' names: the saved checkpoint is, before any step (every map
   name and every piece is compared with the ``safetensors`` file, AutoEP engines included).
 
@@ -25,7 +25,7 @@ import torch
 import torch.distributed as tdist
 
 from rollout_sync.layout.maps import TensorMap
-from testbed.checkpoints import logical_tensors
+from testbed.checkpoints import assembled, local_param, logical_tensors
 
 INT_VIEW = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
 
@@ -89,32 +89,8 @@ def compare_views(
 # ----------------------------------------------------------------------------------------------------------
 
 
-def _tp_assemble(p: Any, local: torch.Tensor) -> torch.Tensor:
-    """The full parameter from TP shards: all-gather over the TP group, concatenate along AutoTP's
-    recorded ``partition_dim`` (unsplit parameters are returned as they are)."""
-    meta = getattr(p, "ds_autotp_universal_checkpoint_meta", None)
-    if not meta or meta.get("replicated") or meta.get("partition_dim") is None:
-        return local
-    from deepspeed.utils import groups
-
-    group = groups.get_tensor_model_parallel_group()
-    parts: list[Any] = [None] * tdist.get_world_size(group)
-    tdist.all_gather_object(parts, local, group=group)
-    return torch.cat(parts, dim=int(meta["partition_dim"]))
-
-
-def _ep_assemble(p: Any, local: torch.Tensor) -> torch.Tensor:
-    from deepspeed.utils import groups
-
-    group = groups._get_expert_parallel_group(p.group_name)
-    parts: list[Any] = [None] * tdist.get_world_size(group)
-    tdist.all_gather_object(parts, local, group=group)
-    return torch.cat(parts, dim=0)  # EP rank k packs experts [k*L, (k+1)*L)
-
-
 def full_tensors(engine: Any, state: str) -> dict[str, torch.Tensor]:
     """Every logical tensor of ``state`` after DeepSpeed's own gathers (collective: all ranks call it)."""
-    import deepspeed
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
     opt = engine.optimizer
@@ -127,20 +103,12 @@ def full_tensors(engine: Any, state: str) -> dict[str, torch.Tensor]:
     by_param: dict[str, torch.Tensor] = {}
     for name, p in engine.module.named_parameters():
         if state == "param":
-            if hasattr(p, "ds_tensor"):
-                with deepspeed.zero.GatheredParameters([p]):
-                    local = p.data.detach().clone()
-            else:
-                local = p.data.detach().clone()
+            local = local_param(p)
         elif state == "fp32":
             local = safe_get_full_fp32_param(p).detach().clone()
         else:
             local = safe_get_full_optimizer_state(p, state).detach().clone()
-        local = local.reshape(tuple(getattr(p, "ds_shape", p.shape)))
-        if hasattr(p, "ds_autoep_uc_meta"):
-            by_param[name] = _ep_assemble(p, local)
-        else:
-            by_param[name] = _tp_assemble(p, local)
+        by_param[name] = assembled(p, local)
     return logical_tensors(engine.module, by_param)
 
 
