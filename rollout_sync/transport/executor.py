@@ -78,7 +78,10 @@ class Executor:
         self.in_process: frozenset[int] = local.peers if local is not None else frozenset()
         # ranks on this host in other processes: their bytes are pulled or go through shared slots (CPU, gloo)
         self.pairs = SameHostPairs(
-            same_host, self.in_process, self.backend == "gloo" and self.options.shared_memory
+            same_host,
+            self.in_process,
+            self.backend == "gloo" and self.options.shared_memory,
+            self.options.map_sources,
         )
         self.programs = ProgramCache()  # the program of the last half
         self._fingerprints: tuple[PlanHalf, bytes, tuple[int, int]] | None = None
@@ -201,7 +204,7 @@ class Executor:
             self._half_fingerprints(half),
             zero_copy=self.options.zero_copy,
             depth=self.depth,
-            in_process=self.in_process,
+            in_process=pairs.handoff_peers,
             shared=pairs.shared,
             pulls_from=pairs.pulls_from,
             pulled_by=pairs.pulled_by,
@@ -246,7 +249,14 @@ class Executor:
             streamed = Targets(targets, stream, half, program)
             shared = self.pairs.shared  # only signals cross the group for their messages
             transport = transport_for(
-                self.group, self.backend, self.rank, self.options.timeout, device, self.local, shared
+                self.group,
+                self.backend,
+                self.rank,
+                self.options.timeout,
+                device,
+                self.local,
+                shared,
+                self.pairs.mapped,
             )
             handoffs = Handoffs(transport, schedule)
             try:
@@ -320,7 +330,7 @@ class Executor:
             )
             handoffs = Handoffs(transport, schedule)
             try:
-                handoffs.offer(sources)
+                handoffs.offer(half, sources)
                 copy_segments(schedule.local, half, sources, streamed)
                 handoffs.take(half, streamed)
                 t = clock.add("local", t)

@@ -185,7 +185,7 @@ class FullTransfer:
         depth = schedule.depth
         rounds = schedule.rounds
         # Handoffs first: a peer in this process copies from these sources while this rank goes on.
-        self.handoffs.offer(self.sources)
+        self.handoffs.offer(self.half, self.sources)
         pulls = Pulls(
             self.program, self.pairs.pull_plan(self.program), self.pairs.pulled_by, self.sources, transport
         )

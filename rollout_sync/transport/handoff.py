@@ -1,6 +1,6 @@
-"""Copies within one process: a rank's local segments, and handoffs between ranks of one process
-(``in_process``), where the receiver copies each segment straight from the source storages its in-process
-peer hands over. ``Handoffs`` is one transfer's handoffs: this rank's offers to the peers it sends to, its
+"""Copies straight from a sender's storages: a rank's local segments, and handoffs between ranks of one
+process (``in_process``) or of one host whose receiver maps the sender's storages (``mapped``), where the
+receiver copies each segment straight from the source storages its peer hands over. ``Handoffs`` is one transfer's handoffs: this rank's offers to the peers it sends to, its
 copies from those that send to it, and, when it fails first, its refusals of the rest (so that no sender
 waits for the timeout)."""
 
@@ -13,6 +13,7 @@ import torch
 from ..planning.half import PlanHalf
 from ..planning.records import Segment
 from .p2p import Pending, Transport
+from .program import torch_dtype
 from .schedule import Schedule
 from .targets import Targets
 
@@ -32,17 +33,30 @@ def copy_segments(
         targets.landed(name)
 
 
+def handed_names(half: PlanHalf, segments: Iterable[Segment]) -> list[str]:
+    """The source storages a handoff's segments read (sorted: the order of a mapped handoff's table)."""
+    return sorted({half.tensors[s.tensor].name for s in segments})
+
+
 def copy_handoff(
     transport: Transport, peer: int, segments: tuple[Segment, ...], half: PlanHalf, targets: Targets
-) -> None:
-    """Copy ``segments`` straight from the source storages ``peer`` (in this process) hands over."""
-    sources = transport.take(peer)
+) -> Pending | None:
+    """Copy ``segments`` straight from the source storages ``peer`` hands over (in this process, or mapped
+    from its memory); returns the answer on the wire, if any."""
+    names = handed_names(half, segments)
+    dtype_of = {half.tensors[s.tensor].name: half.tensors[s.tensor].source_dtype for s in segments}
+    # a streamed target is rebuilt as soon as it has landed: never from provisional sources
+    provisional = not targets.streamed
+    sources = transport.take(peer, names, [torch_dtype(dtype_of[n]) for n in names], provisional)
     try:
         copy_segments(segments, half, sources, targets)
+        current = transport.confirm(peer)
+        if current is not None:  # the peer hands over other storages than it did last time
+            copy_segments(segments, half, current, targets)
     except BaseException as e:
         transport.finish(peer, f"rank {transport.rank} failed copying from rank {peer}'s storages: {e!r}")
         raise
-    transport.finish(peer)
+    return transport.finish(peer)
 
 
 class Handoffs:
@@ -52,22 +66,29 @@ class Handoffs:
         self.transport = transport
         self.schedule = schedule
         self.offered: list[Pending] = []
-        self.taken: set[int] = set()  # in-process peers whose handoff this rank took
+        self.answers: list[Pending] = []  # "done" sent to mapped peers
+        self.taken: set[int] = set()  # peers whose handoff this rank took
 
-    def offer(self, sources: Mapping[str, torch.Tensor]) -> None:
-        """Hand this rank's source storages to every in-process peer it sends to (they copy from them while
-        this rank goes on)."""
-        self.offered = [self.transport.offer(peer, sources) for peer in self.schedule.handoff_to]
+    def offer(self, half: PlanHalf, sources: Mapping[str, torch.Tensor]) -> None:
+        """Hand this rank's source storages to every peer it hands off to (they copy from them while this
+        rank goes on)."""
+        for peer in self.schedule.handoff_to:
+            names = handed_names(half, (s for s in half.sends if s.target_rank == peer))
+            self.offered.append(self.transport.offer(peer, sources, names))
 
     def take(self, half: PlanHalf, targets: Targets) -> None:
-        """Copy every segment the in-process peers that send to this rank hand over."""
+        """Copy every segment the peers that hand off to this rank hand over."""
         for peer, handed in self.schedule.handoff_from:
             self.taken.add(peer)
-            copy_handoff(self.transport, peer, handed, half, targets)
+            answer = copy_handoff(self.transport, peer, handed, half, targets)
+            if answer is not None:
+                self.answers.append(answer)
 
     def wait(self) -> None:
-        """Wait until every peer offered to has copied from this rank's sources."""
+        """Wait until every peer offered to has copied from this rank's sources (and this rank's answers
+        have left)."""
         self.transport.wait(self.offered)
+        self.transport.wait(self.answers)
 
     def decline(self, error: BaseException) -> None:
         """This rank failed: fail the offers of the peers whose handoff it has not taken, so that their

@@ -25,6 +25,7 @@ from torch.distributed import ProcessGroup
 
 from ..errors import PeerFailedError, SyncTimeoutError
 from .in_process import InProcess
+from .mapped import MAP_DONE_TAG, MAP_TABLE_TAG, MappedPeers, OfferWork, empty_table, table_of, views_of
 
 __all__ = ["Pending", "Transport", "transport_for"]
 
@@ -56,7 +57,8 @@ def _is_timeout(text: str) -> bool:
 
 class Transport:
     """Individually posted messages (gloo and any backend without coalescing). Messages to a peer in this
-    process (``local``) do not exist: their segments are handoffs (``offer`` / ``take``)."""
+    process (``local``) or to a same-host peer that maps this rank's storages or whose storages this rank maps
+    (``mapped``) do not exist: their segments are handoffs (``offer`` / ``take``)."""
 
     def __init__(
         self,
@@ -66,6 +68,7 @@ class Transport:
         device: torch.device,
         local: InProcess | None = None,
         shared: frozenset[int] = frozenset(),
+        mapped: MappedPeers | None = None,
     ) -> None:
         self.group = group
         self.rank = rank
@@ -73,6 +76,16 @@ class Transport:
         self.device = device
         self.local = local
         self.shared = shared  # peers whose message bytes sit in shared slots: only signals cross the group
+        self.mapped = mapped
+        self.kept: list[Pending] = []  # answers of declined handoffs, alive until their sends complete
+        # mapped peers whose storages this rank copied from as last named, and this sync's table still coming
+        self._unconfirmed: dict[
+            int, tuple[Pending, torch.Tensor, torch.Tensor, tuple[str, ...], tuple[Any, ...]]
+        ]
+        self._unconfirmed = {}
+
+    def _maps(self, peer: int) -> MappedPeers | None:
+        return self.mapped if self.mapped is not None and peer in self.mapped.peers else None
 
     def signal(
         self, kind: str, peer: int, tag: int, label: str, tensor: torch.Tensor | None = None
@@ -100,27 +113,96 @@ class Transport:
             return None
         return self.signal("send", peer, tag + 1, label)
 
-    def offer(self, peer: int, sources: Mapping[str, torch.Tensor]) -> Pending:
-        """Hand this rank's source storages to ``peer`` in this process (``schedule.handoff_to``)."""
-        assert self.local is not None
-        return Pending(self.local.offer(peer, sources), peer, "send", "handoff")
+    def offer(self, peer: int, sources: Mapping[str, torch.Tensor], names: Sequence[str] = ()) -> Pending:
+        """Hand this rank's source storages to ``peer`` (``schedule.handoff_to``): in this process, or, for a
+        mapped peer, as the table of ``names`` (the storages its segments read, sorted), shared now."""
+        if self._maps(peer) is None:
+            assert self.local is not None
+            return Pending(self.local.offer(peer, sources), peer, "send", "handoff")
+        table, error = table_of(names, sources)
+        sent = self.signal("send", peer, MAP_TABLE_TAG, "mapped handoff table", table)
+        answer = torch.ones(1, dtype=torch.int64)
+        done = self.signal("recv", peer, MAP_DONE_TAG, "mapped handoff", answer)
+        if error is not None:  # the peer reads the -1 row and fails too, before writing a byte of this pair
+            self.kept.append(sent)
+            raise PeerFailedError(f"rank {self.rank}: {error}")
+        return Pending(OfferWork(done.work, answer, peer, sent.work, table), peer, "send", "mapped handoff")
 
-    def take(self, peer: int) -> Mapping[str, torch.Tensor]:
-        """The source storages ``peer`` in this process hands this rank; follow with ``finish``."""
-        assert self.local is not None
+    def take(
+        self,
+        peer: int,
+        names: Sequence[str] = (),
+        dtypes: Sequence[torch.dtype] = (),
+        provisional: bool = False,
+    ) -> Mapping[str, torch.Tensor]:
+        """The source storages ``peer`` hands this rank (in this process, or mapped from its memory: the
+        tensors of ``names``, of ``dtypes``); follow with ``confirm`` and ``finish``. ``provisional``: a
+        mapped peer's storages as its table of the last sync named them, without waiting for this sync's
+        (the agreement already told that the peer is in this sync, its sources ready); ``confirm`` then
+        says whether they are still the ones it hands over."""
+        maps = self._maps(peer)
+        if maps is None:
+            assert self.local is not None
+            try:
+                return self.local.take(peer, timedelta(seconds=self.timeout))
+            except RuntimeError as e:
+                raise self._error("recv", peer, "handoff", str(e)) from e
+        table = empty_table(names)
+        pending = self.signal("recv", peer, MAP_TABLE_TAG, "mapped handoff table", table)
+        last = maps.tables.get(peer)
+        if provisional and last is not None and last[0] == tuple(names):
+            self._unconfirmed[peer] = (pending, table, last[1], tuple(names), tuple(dtypes))
+            return self._views(peer, maps, last[1], names, dtypes)
+        self.wait([pending])
+        maps.tables[peer] = (tuple(names), table)
+        return self._views(peer, maps, table, names, dtypes)
+
+    def confirm(self, peer: int) -> Mapping[str, torch.Tensor] | None:
+        """After copying from provisional storages: None where they were the ones ``peer`` hands over in
+        this sync, else the storages it does hand over (copy again from them)."""
+        found = self._unconfirmed.pop(peer, None)
+        if found is None:
+            return None
+        pending, table, used, names, dtypes = found
+        self.wait([pending])
+        maps = self._maps(peer)
+        assert maps is not None
+        maps.tables[peer] = (names, table)
+        return None if torch.equal(table, used) else self._views(peer, maps, table, names, dtypes)
+
+    def _views(
+        self,
+        peer: int,
+        maps: MappedPeers,
+        table: torch.Tensor,
+        names: Sequence[str],
+        dtypes: Sequence[torch.dtype],
+    ) -> Mapping[str, torch.Tensor]:
         try:
-            return self.local.take(peer, timedelta(seconds=self.timeout))
-        except RuntimeError as e:
-            raise self._error("recv", peer, "handoff", str(e)) from e
+            return views_of(table, names, dtypes, maps.pids[peer], maps.maps)
+        except (OSError, RuntimeError) as e:
+            self.kept += [p for p in [self.finish(peer, str(e))] if p is not None]
+            raise PeerFailedError(
+                f"rank {self.rank}: mapping the storages of rank {peer} (pid {maps.pids[peer]}) failed: {e}"
+            ) from e
 
-    def finish(self, peer: int, error: str | None = None) -> None:
-        assert self.local is not None
-        self.local.finish(peer, error)
+    def finish(self, peer: int, error: str | None = None) -> Pending | None:
+        """The copies from ``peer``'s handoff are done (or failed with ``error``): release its sender."""
+        if self._maps(peer) is None:
+            assert self.local is not None
+            self.local.finish(peer, error)
+            return None
+        answer = torch.tensor([0 if error is None else 1], dtype=torch.int64)
+        return self.signal("send", peer, MAP_DONE_TAG, "mapped handoff done", answer)
 
     def decline(self, peer: int, reason: str) -> None:
         """This rank failed before taking ``peer``'s handoff: fail the peer's offer now."""
-        assert self.local is not None
-        self.local.decline(peer, reason)
+        if self._maps(peer) is None:
+            assert self.local is not None
+            self.local.decline(peer, reason)
+            return
+        answer = torch.ones(1, dtype=torch.int64)
+        self.kept.append(self.signal("send", peer, MAP_DONE_TAG, "mapped handoff declined", answer))
 
     def post(self, ops: Sequence[Op]) -> list[Pending]:
         pending = []
@@ -188,7 +270,8 @@ def transport_for(
     device: torch.device,
     local: InProcess | None = None,
     shared: frozenset[int] = frozenset(),
+    mapped: MappedPeers | None = None,
 ) -> Transport:
     if backend == "nccl":
         return CoalescedTransport(group, rank, timeout, device, local)
-    return Transport(group, rank, timeout, device, local, shared)
+    return Transport(group, rank, timeout, device, local, shared, mapped)

@@ -1,10 +1,11 @@
 """Pulls between same-host ranks (``cross_memory``) in the executor: the probe that finds which pairs can
-pull, and one transfer's pulls (address tables out, data pulled in, "pulled" signals back)."""
+pull (and which can map each other's storages: ``mapped``), and one transfer's pulls (address tables out, data pulled in, "pulled" signals back)."""
 
 from __future__ import annotations
 
 import secrets
 from collections.abc import Mapping
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -13,12 +14,13 @@ import torch
 from ..errors import PeerFailedError
 from . import cross_memory
 from .copies import part_runs
+from .mapped import MappedStorages, share
 from .messages import Message
 from .p2p import Pending, Transport
 from .program import Program
 from .targets import Targets
 
-__all__ = ["PROBE_TAG", "PullPlan", "Pulls", "probe_pulls", "pull_plan", "pulled_bytes"]
+__all__ = ["PROBE_TAG", "ProbeResult", "PullPlan", "Pulls", "probe_pulls", "pull_plan", "pulled_bytes"]
 
 
 PROBE_TAG = 1 << 30
@@ -109,33 +111,69 @@ class Pulls:
             self.pending.append(self.transport.signal("send", peer, PROBE_TAG + 3, "pulled"))
 
 
+@dataclass(frozen=True)
+class ProbeResult:
+    """What a probe found, per peer: which this rank can pull from / map, and which can pull from / map this
+    rank."""
+
+    pulls_from: set[int]
+    pulled_by: set[int]
+    maps_from: set[int]
+    mapped_by: set[int]
+
+
+def _can_map(pid: int, fd: int, inode: int, expected: int) -> bool:
+    if fd < 0:
+        return False
+    try:
+        storage = MappedStorages().storage(pid, fd, inode, 8)
+    except (OSError, RuntimeError):
+        return False
+    return int(torch.empty(0, dtype=torch.int64).set_(storage, 0, (1,), (1,))[0]) == expected
+
+
 def probe_pulls(
-    group: Any, rank: int, peers: list[int], pids: Mapping[int, int], timeout_s: float
-) -> tuple[set[int], set[int]]:
-    """Can this rank read each of ``peers``' memory, and can each read this rank's? Both ends of every pair
-    call it at the same sync (their halves mirror each other) and learn both answers, so both build the
-    same schedule. Returns (peers this rank can pull from, peers that can pull from this rank)."""
+    group: Any,
+    rank: int,
+    peers: list[int],
+    pids: Mapping[int, int],
+    timeout_s: float,
+    map_sources: bool = True,
+) -> ProbeResult:
+    """Can this rank read each of ``peers``' memory (``process_vm_readv``) and map its storages (``mapped``),
+    and can each do so with this rank's? Both ends of every pair call it at the same sync (their halves
+    mirror each other) and learn both answers, so both build the same schedule. ``map_sources``: this rank
+    lets its storages be mapped and maps its peers' (a pair maps only where both ends allow it)."""
     cross_memory.allow_pulls()
     timeout = timedelta(seconds=timeout_s)
-    magic = torch.tensor([secrets.randbits(62)], dtype=torch.int64)
-    mine = torch.tensor([magic.data_ptr(), int(magic)], dtype=torch.int64)
-    theirs = {p: torch.zeros(2, dtype=torch.int64) for p in peers}
+    value = secrets.randbits(62)
+    magic = torch.tensor([value], dtype=torch.int64)
+    fd = inode = -1
+    if map_sources:
+        try:
+            fd, inode, _ = share(magic)  # moves it into shared memory first: its address is read after
+        except (OSError, RuntimeError):
+            fd = inode = -1
+    mine = torch.tensor([magic.data_ptr(), value, fd, inode], dtype=torch.int64)
+    theirs = {p: torch.zeros(4, dtype=torch.int64) for p in peers}
     answers = {p: torch.zeros(1, dtype=torch.int64) for p in peers}
     works: list[Any] = []
     try:
         works += [group.send([mine], p, PROBE_TAG) for p in peers]
         for w in [group.recv([theirs[p]], p, PROBE_TAG) for p in peers]:
             w.wait(timeout)
-        readable = {}
+        found = {}
         for p in peers:
             got = torch.zeros(1, dtype=torch.int64)
-            address, expected = (int(v) for v in theirs[p])
+            address, expected, their_fd, their_inode = (int(v) for v in theirs[p])
             try:
                 cross_memory.pull(pids[p], [(got.data_ptr(), address, 8)])
-                readable[p] = int(got) == expected
+                readable = int(got) == expected
             except OSError:
-                readable[p] = False
-        replies = {p: torch.tensor([int(readable[p])], dtype=torch.int64) for p in peers}
+                readable = False
+            mappable = map_sources and _can_map(pids[p], their_fd, their_inode, expected)
+            found[p] = int(readable) | int(mappable) << 1
+        replies = {p: torch.tensor([found[p]], dtype=torch.int64) for p in peers}
         works += [group.send([replies[p]], p, PROBE_TAG + 1) for p in peers]
         works += [group.recv([answers[p]], p, PROBE_TAG + 1) for p in peers]
         for w in works:
@@ -144,4 +182,9 @@ def probe_pulls(
         raise PeerFailedError(
             f"rank {rank}: probing same-host peers {peers} for memory pulls failed: {e}"
         ) from e
-    return {p for p in peers if readable[p]}, {p for p in peers if int(answers[p])}
+    return ProbeResult(
+        pulls_from={p for p in peers if found[p] & 1},
+        pulled_by={p for p in peers if int(answers[p]) & 1},
+        maps_from={p for p in peers if found[p] & 2},
+        mapped_by={p for p in peers if int(answers[p]) & 2},
+    )

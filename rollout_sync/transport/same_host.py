@@ -1,12 +1,14 @@
 """An executor's pairs with ranks on its host in other processes (CPU, gloo,
 ``ExecuteOptions.shared_memory``).
 
-Their packed messages' slots live in shared memory (``shared_memory``) and only signals cross the group. At
-the first sync with a peer, a probe (``pulls.probe_pulls``) finds whether each of the two can read the
-other's memory; where the receiver can, it pulls direct messages straight from the sender's storage
-(``pulls``). ``SameHostPairs`` holds what this takes across syncs: this rank's shared slots, the peers it
-shares them with, which of them it pulls from or is pulled by (each probed once), and the pull plan of the
-current program.
+At the first sync with a peer, a probe (``pulls.probe_pulls``) finds whether each of the two can map the
+other's storages and read its memory. Where the receiver can map the sender's storages (``mapped``), the
+pair has no messages: its segments are handoffs, copied by the receiver straight from the sender's storages.
+Otherwise their packed messages' slots live in shared memory (``shared_memory``) and only signals cross the
+group; where the receiver can read the sender's memory, it pulls direct messages straight from the sender's
+storage (``pulls``). ``SameHostPairs`` holds what this takes across syncs: this rank's shared slots, the
+peers it shares them with, which of them it maps or is mapped by, pulls from or is pulled by (each probed
+once), its mappings of their storages, and the pull plan of the current program.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from typing import Any
 
 from ..planning.half import PlanHalf
 from . import cross_memory
+from .mapped import MappedPeers
 from .program import Program
 from .pulls import PullPlan, probe_pulls, pull_plan
 from .schedule import Schedule, peers_of
@@ -28,8 +31,11 @@ class SameHostPairs:
     and the options allow shared memory (else this rank has no same-host pairs and every byte goes over the
     group)."""
 
-    def __init__(self, same_host: SameHost | None, in_process: frozenset[int], enabled: bool) -> None:
+    def __init__(
+        self, same_host: SameHost | None, in_process: frozenset[int], enabled: bool, map_sources: bool = True
+    ) -> None:
         self.in_process = in_process
+        self.map_sources = map_sources
         self.slots: SharedSlots | None = None
         self.shared: frozenset[int] = frozenset()  # peers whose bytes are pulled or go through shared slots
         if same_host is not None and enabled:
@@ -37,6 +43,9 @@ class SameHostPairs:
             self.shared = frozenset(same_host.peers) - in_process
         self.pulls_from: frozenset[int] = frozenset()  # same-host peers this rank can read (probed)
         self.pulled_by: frozenset[int] = frozenset()  # same-host peers that can read this rank
+        self.maps_from: frozenset[int] = frozenset()  # same-host peers whose storages this rank maps
+        self.mapped_by: frozenset[int] = frozenset()  # same-host peers that map this rank's storages
+        self.mapped = MappedPeers(frozenset(), {} if same_host is None else dict(same_host.peers))
         self._probed: set[int] = set()
         self._pulls_cached: tuple[Program, PullPlan] | None = None
 
@@ -54,10 +63,18 @@ class SameHostPairs:
         if not peers:
             return
         pids = self.slots.same_host.peers
-        can_pull, pulled_by = probe_pulls(group, rank, peers, pids, timeout)
+        found = probe_pulls(group, rank, peers, pids, timeout, self.map_sources)
         self._probed.update(peers)
-        self.pulls_from |= can_pull
-        self.pulled_by |= pulled_by
+        self.pulls_from |= found.pulls_from
+        self.pulled_by |= found.pulled_by
+        self.maps_from |= found.maps_from
+        self.mapped_by |= found.mapped_by
+        self.mapped.peers = self.maps_from | self.mapped_by
+
+    @property
+    def handoff_peers(self) -> frozenset[int]:
+        """Peers whose segments with this rank are handoffs: in this process, or mapped."""
+        return self.in_process | self.mapped.peers
 
     def segments(
         self, half: PlanHalf, schedule: Schedule, offers: list[int], rank: int
@@ -89,6 +106,7 @@ class SameHostPairs:
             sweep_stale(self.slots.directory)
 
     def close(self) -> None:
-        """Release the shared segments this rank made."""
+        """Release the shared segments this rank made and its mappings of its peers' storages."""
+        self.mapped.maps.clear()
         if self.slots is not None:
             self.slots.close()

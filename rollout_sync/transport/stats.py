@@ -26,6 +26,11 @@ class ExecuteOptions:
     """Between ranks on one host in different processes (CPU, gloo), pull or stage bytes through memory
     (``shared_memory``, ``cross_memory``) and send only signals over the group; off: every byte goes over
     the group. Every rank must run the same way (agreed per sync; a handshake sets it for all)."""
+    map_sources: bool = True
+    """With ``shared_memory``: where a same-host peer can map this process's memory, move the source storages
+    this rank sends from into shared memory in place (once; every view of them keeps working) and let the
+    receiver copy its segments straight from them (``mapped``: no messages, one copy). Off: pulls and shared
+    slots only. Each pair maps only where both ends have it on."""
     delta: bool = False
     """Delta syncs (``delta``): after a sync every rank has committed, the next one sends only the elements
     that changed. A sender keeps a copy of what it sent (its shadow: the bytes it sends per sync). A rank

@@ -395,9 +395,10 @@ class _DiesOnAccess(Mapping):
         return len(self._storages)
 
 
-def killed_mid_run(rank: int, world: int, executor: Executor) -> tuple[str, float, str]:
+def killed_mid_run(rank: int, world: int, executor: Executor, after: int = 40) -> tuple[str, float, str]:
     """Every rank holds rows of a 300 x 200 float32 tensor and receives columns: every rank sends to and
-    receives from every other rank, in many small rounds; the last rank dies while unpacking."""
+    receives from every other rank, in many small rounds; the last rank dies while unpacking (at its
+    ``after``-th target lookup)."""
     import random as _random
 
     rng = _random.Random(0)
@@ -408,7 +409,7 @@ def killed_mid_run(rank: int, world: int, executor: Executor) -> tuple[str, floa
     sources = {"w": torch.ones(src.ranks[rank].shape)}
     targets: Mapping[str, torch.Tensor] = {"w": torch.full(tgt.ranks[rank].shape, float("nan"))}
     if rank == world - 1:
-        targets = _DiesOnAccess(dict(targets), after=40)
+        targets = _DiesOnAccess(dict(targets), after=after)
     start = time.monotonic()
     try:
         executor.execute(plan.half(rank), sources, targets)

@@ -1,9 +1,13 @@
-"""Ranks on one host in different processes: staged messages' bytes go through shared slots in /dev/shm
-(only 8-byte signals cross gloo). Random planner plans are exact, staging (arena plus the shared slots a
-rank made) stays under the cap, nothing is left in /dev/shm while syncs run or after a rank was killed."""
+"""Ranks on one host in different processes: by default each receiver maps its senders' storages and copies
+its segments straight from them (``mapped``: no messages); with ``map_sources=False`` staged messages' bytes go
+through shared slots in /dev/shm (only 8-byte signals cross gloo) and dense segments are pulled. Random
+planner plans are exact either way, staging (arena plus the shared slots a rank made) stays under the cap,
+nothing is left in /dev/shm while syncs run or after a rank was killed; a sender's storages moved into shared
+memory stay the storages its views (and the trainer's) write to."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import secrets
 
@@ -36,7 +40,12 @@ def _ours(group_id: str) -> list[str]:
     return sorted(p.name for p in shm_dir().glob(f"{SHM_PREFIX}*-{group_id}-*"))
 
 
-def _random(rank: int, world: int, group, seeds: list[int], group_id: str) -> list[dict]:
+def _torch_files(pid: int) -> list[str]:
+    """Files in /dev/shm that torch's shared memory of process ``pid`` left by name."""
+    return sorted(p.name for p in shm_dir().glob(f"torch_{pid}_*"))
+
+
+def _random(rank: int, world: int, group, seeds: list[int], group_id: str, map_sources: bool) -> list[dict]:
     same_host = _same_host(group, rank, world, group_id)
     out = []
     for seed in seeds:
@@ -44,6 +53,7 @@ def _random(rank: int, world: int, group, seeds: list[int], group_id: str) -> li
         half = sc.plan().half(rank)
         sources = source_storages(sc, rank)
         for options in OPTION_SETS:
+            options = dataclasses.replace(options, map_sources=map_sources)
             executor = Executor(group, options, same_host=same_host)
             for _ in range(2):
                 buffers, targets = target_buffers(sc, rank)
@@ -59,22 +69,38 @@ def _random(rank: int, world: int, group, seeds: list[int], group_id: str) -> li
                     "shared": executor.shared_bytes,
                     "sent": stats.bytes_sent,
                     "received": stats.bytes_received,
-                    "left": _ours(group_id),
+                    "left": _ours(group_id) + _torch_files(os.getpid()),
+                    "mapped": sorted(executor.pairs.mapped.peers),
+                    "handed": stats.bytes_handed,
                 }
             )
             executor.close()
     return out
 
 
+@pytest.mark.parametrize("map_sources", [False, True], ids=["shared-slots", "mapped"])
 @pytest.mark.parametrize("world", [2, 4])
-def test_random_plans_through_shared_slots_are_exact_and_leave_nothing_in_dev_shm(world: int) -> None:
+def test_random_plans_between_processes_on_one_host_are_exact_and_leave_nothing_in_dev_shm(
+    world: int, map_sources: bool
+) -> None:
     group_id = secrets.token_hex(6)
-    results = run_on_ranks(_random, world, [world * 10 + 1, world * 10 + 2], group_id, timeout=400)
+    results = run_on_ranks(
+        _random, world, [world * 10 + 1, world * 10 + 2], group_id, map_sources, timeout=400
+    )
     for per_rank in results:
         for r in per_rank:
             assert r["peak"] <= r["cap"], r
             assert r["left"] == [], r
-    assert any(r["shared"] > 0 for per_rank in results for r in per_rank)
+    if map_sources:  # every pair with bytes to move maps: no message, no shared slot; senders hand over
+        for rank, per_rank in enumerate(results):
+            for r in per_rank:
+                assert set(r["mapped"]) <= set(range(world)) - {rank}, r
+                assert r["shared"] == 0 and not r["sent"] and not r["received"], r
+        assert any(r["handed"] for per_rank in results for r in per_rank)
+        assert any(r["mapped"] for per_rank in results for r in per_rank)
+    else:
+        assert any(r["shared"] > 0 for per_rank in results for r in per_rank)
+        assert all(r["mapped"] == [] for per_rank in results for r in per_rank)
     for k in range(len(results[0])):
         for rank in range(world):
             for peer, n in results[rank][k]["sent"].items():
@@ -82,20 +108,26 @@ def test_random_plans_through_shared_slots_are_exact_and_leave_nothing_in_dev_sh
     assert _ours(group_id) == []
 
 
-def _killed(rank: int, world: int, group, timeout: float, group_id: str) -> tuple[str, float, str]:
+def _killed(
+    rank: int, world: int, group, timeout: float, group_id: str, map_sources: bool
+) -> tuple[str, float, str]:
     same_host = _same_host(group, rank, world, group_id)
-    executor = Executor(group, ExecuteOptions(staging_cap_bytes=4096, timeout=timeout), same_host=same_host)
-    try:
-        return killed_mid_run(rank, world, executor)
+    options = ExecuteOptions(staging_cap_bytes=4096, timeout=timeout, map_sources=map_sources)
+    executor = Executor(group, options, same_host=same_host)
+    try:  # mapped pairs look targets up once per segment (no rounds): the rank dies at its second copy
+        return killed_mid_run(rank, world, executor, after=3 if map_sources else 40)
     finally:
         executor.close()
 
 
-def test_a_rank_killed_mid_run_fails_the_others_in_time_and_leaves_nothing_in_dev_shm() -> None:
+@pytest.mark.parametrize("map_sources", [False, True], ids=["shared-slots", "mapped"])
+def test_a_rank_killed_mid_run_fails_the_others_in_time_and_leaves_nothing_in_dev_shm(
+    map_sources: bool,
+) -> None:
     timeout = 10.0
     world = 3
     group_id = secrets.token_hex(6)
-    results = run_on_ranks(_killed, world, timeout, group_id, timeout=200, may_die={world - 1})
+    results = run_on_ranks(_killed, world, timeout, group_id, map_sources, timeout=200, may_die={world - 1})
     assert results[world - 1] is None
     for rank in range(world - 1):
         kind, elapsed, message = results[rank]
@@ -128,7 +160,8 @@ def _pulled(rank: int, world: int, group, group_id: str, can_pull: bool) -> dict
     for piece in rows.pieces:
         box = tuple(slice(o, o + e) for o, e in zip(piece.box.origin, piece.box.extent, strict=True))
         torch.as_strided(sources["w"], piece.box.extent, piece.strides, piece.offset).copy_(full[box])
-    executor = Executor(group, ExecuteOptions(staging_cap_bytes=1 << 16, timeout=30), same_host=same_host)
+    options = ExecuteOptions(staging_cap_bytes=1 << 16, timeout=30, map_sources=False)
+    executor = Executor(group, options, same_host=same_host)
     try:
         for _ in range(2):
             targets = {"w": torch.full(shape, float("nan"))}
@@ -150,3 +183,70 @@ def test_dense_segments_are_pulled_from_the_sender_s_memory_where_the_probe_allo
         want = [{"from": [], "by": [], "pulled": False}] * 2
     assert results == want, results
     assert _ours(group_id) == []
+
+
+def _moved(rank: int, world: int, group, group_id: str) -> dict:
+    """Each rank holds rows of ``w`` (float32; the targets are bfloat16: the receiver casts while it copies)
+    and receives the whole tensor. The first sync moves each sender's storage into shared memory in place:
+    a view taken before it still writes the storage the peer maps (an optimizer step through DeepSpeed's
+    own views); a storage replaced between syncs is mapped anew and the old mapping dropped."""
+    import random as _random
+
+    same_host = _same_host(group, rank, world, group_id)
+    shape = (256, 128)
+    src = side_map("w", shape, "float32", "rows", [0, 1], _random.Random(5))
+    tgt = side_map("w", shape, "bfloat16", "replicated", [0, 1], _random.Random(5))
+    plan = plan_model([src], [tgt])
+    rows = src.ranks[rank]
+
+    def fill(storage: torch.Tensor, full: torch.Tensor) -> None:
+        for piece in rows.pieces:
+            box = tuple(slice(o, o + e) for o, e in zip(piece.box.origin, piece.box.extent, strict=True))
+            torch.as_strided(storage, piece.box.extent, piece.strides, piece.offset).copy_(full[box])
+
+    full = torch.randn(shape, generator=torch.Generator().manual_seed(7))
+    sources = {"w": torch.empty(rows.shape)}
+    fill(sources["w"], full)
+    before = sources["w"].view(-1)[:]  # a view made before the storage moves
+    executor = Executor(group, ExecuteOptions(timeout=30), same_host=same_host)
+    out: dict = {"exact": []}
+    try:
+
+        def sync() -> None:
+            targets = {"w": torch.full(shape, float("nan"), dtype=torch.bfloat16)}
+            executor.execute(plan.half(rank), sources, targets)
+            out["exact"].append(torch.equal(targets["w"], full.to(torch.bfloat16)))
+
+        sync()
+        out["shared"] = sources["w"].untyped_storage().is_shared()
+        out["same_storage"] = before.untyped_storage().data_ptr() == sources["w"].untyped_storage().data_ptr()
+        full = full * 2  # the step, written through the old view
+        fill(before.view(rows.shape), full)
+        group.barrier().wait()
+        sync()
+        full = full + 1  # a new storage for the same tensor
+        sources = {"w": torch.empty(rows.shape)}
+        fill(sources["w"], full)
+        group.barrier().wait()
+        sync()
+        out["mapped"] = sorted(executor.pairs.mapped.peers)
+        out["mappings"] = len(executor.pairs.mapped.maps)
+    finally:
+        executor.close()
+    group.barrier().wait()
+    out["left"] = _ours(group_id) + _torch_files(os.getpid())
+    return out
+
+
+def test_a_sender_s_storage_is_moved_into_shared_memory_in_place_and_remapped_when_replaced() -> None:
+    group_id = secrets.token_hex(6)
+    results = run_on_ranks(_moved, 2, group_id, timeout=200)
+    for rank, r in enumerate(results):
+        assert r == {
+            "exact": [True, True, True],
+            "shared": True,
+            "same_storage": True,
+            "mapped": [1 - rank],
+            "mappings": 1,
+            "left": [],
+        }, (rank, r)
