@@ -11,7 +11,7 @@ Lifecycle of one sync (every rank of the group calls ``Executor.execute``, even 
 3. **schedule** — pure, cached per (half content, agreed message sizes): per pair of ranks, the same
    messages on both ends (``schedule.build_schedule``), compiled into copies (``program``).
 4. **transfer** — a full sync runs every message of the program (``full_transfer``; same-host pairs in
-   other processes go through shared memory or pull: ``same_host``); a delta sync, when every rank names
+   other processes map the sender's storages, else go through shared memory or pull: ``same_host``); a delta sync, when every rank names
    the same base (``delta_state``), sends only what changed (``delta_run``).
 
 After a transport failure (``PeerFailedError`` / ``SyncTimeoutError``) the group's connections to the
