@@ -204,10 +204,12 @@ class Executor:
             self._half_fingerprints(half),
             zero_copy=self.options.zero_copy,
             depth=self.depth,
-            in_process=pairs.handoff_peers,
+            in_process=self.in_process,
             shared=pairs.shared,
             pulls_from=pairs.pulls_from,
             pulled_by=pairs.pulled_by,
+            maps_from=pairs.maps_from,
+            mapped_by=pairs.mapped_by,
         )
 
     # -- 4. transfer ------------------------------------------------------------------------------------
@@ -238,7 +240,7 @@ class Executor:
         if delta_base is not None:
             clock.add("agree", t)
             return self._execute_delta(half, offers, delta_base, sources, targets, device, clock, t0)
-        self.pairs.probe(self.group, self.rank, half, self.options.timeout)
+        self.pairs.probe(self.group, self.rank, half, self.options.timeout, sources)
         t = clock.add("agree", t)
         program = self._program(half, offers)
         schedule = program.schedule

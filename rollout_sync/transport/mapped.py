@@ -127,11 +127,13 @@ class MappedStorages:
 
 @dataclass(eq=False)
 class MappedPeers:
-    """This rank's mapped pairs: ``peers`` it maps or that map it (their segments are handoffs), the pid of
-    every same-host peer, and its mappings of their storages."""
+    """This rank's mapped pairs: the peers whose storages it maps (``maps_from``: what it receives from them
+    is a handoff) and those that map its storages (``mapped_by``: what it sends them), the pid of every
+    same-host peer, and its mappings of their storages."""
 
-    peers: frozenset[int]
     pids: Mapping[int, int]
+    maps_from: frozenset[int] = frozenset()
+    mapped_by: frozenset[int] = frozenset()
     maps: MappedStorages = field(default_factory=MappedStorages)
     tables: dict[int, tuple[tuple[str, ...], torch.Tensor]] = field(default_factory=dict)
     """Per peer this rank maps, the names and table of its last handoff (``Transport.take``)."""

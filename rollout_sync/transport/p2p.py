@@ -84,8 +84,12 @@ class Transport:
         ]
         self._unconfirmed = {}
 
-    def _maps(self, peer: int) -> MappedPeers | None:
-        return self.mapped if self.mapped is not None and peer in self.mapped.peers else None
+    def _maps(self, peer: int, sending: bool) -> MappedPeers | None:
+        """The mapped pairs, where this rank's handoff with ``peer`` in this direction is mapped."""
+        m = self.mapped
+        if m is None or peer not in (m.mapped_by if sending else m.maps_from):
+            return None
+        return m
 
     def signal(
         self, kind: str, peer: int, tag: int, label: str, tensor: torch.Tensor | None = None
@@ -116,7 +120,7 @@ class Transport:
     def offer(self, peer: int, sources: Mapping[str, torch.Tensor], names: Sequence[str] = ()) -> Pending:
         """Hand this rank's source storages to ``peer`` (``schedule.handoff_to``): in this process, or, for a
         mapped peer, as the table of ``names`` (the storages its segments read, sorted), shared now."""
-        if self._maps(peer) is None:
+        if self._maps(peer, sending=True) is None:
             assert self.local is not None
             return Pending(self.local.offer(peer, sources), peer, "send", "handoff")
         table, error = table_of(names, sources)
@@ -140,7 +144,7 @@ class Transport:
         mapped peer's storages as its table of the last sync named them, without waiting for this sync's
         (the agreement already told that the peer is in this sync, its sources ready); ``confirm`` then
         says whether they are still the ones it hands over."""
-        maps = self._maps(peer)
+        maps = self._maps(peer, sending=False)
         if maps is None:
             assert self.local is not None
             try:
@@ -165,7 +169,7 @@ class Transport:
             return None
         pending, table, used, names, dtypes = found
         self.wait([pending])
-        maps = self._maps(peer)
+        maps = self._maps(peer, sending=False)
         assert maps is not None
         maps.tables[peer] = (names, table)
         return None if torch.equal(table, used) else self._views(peer, maps, table, names, dtypes)
@@ -188,7 +192,7 @@ class Transport:
 
     def finish(self, peer: int, error: str | None = None) -> Pending | None:
         """The copies from ``peer``'s handoff are done (or failed with ``error``): release its sender."""
-        if self._maps(peer) is None:
+        if self._maps(peer, sending=False) is None:
             assert self.local is not None
             self.local.finish(peer, error)
             return None
@@ -197,7 +201,7 @@ class Transport:
 
     def decline(self, peer: int, reason: str) -> None:
         """This rank failed before taking ``peer``'s handoff: fail the peer's offer now."""
-        if self._maps(peer) is None:
+        if self._maps(peer, sending=False) is None:
             assert self.local is not None
             self.local.decline(peer, reason)
             return

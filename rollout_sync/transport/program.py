@@ -162,6 +162,8 @@ class ProgramCache:
         shared: frozenset[int],
         pulls_from: frozenset[int],
         pulled_by: frozenset[int],
+        maps_from: frozenset[int] = frozenset(),
+        mapped_by: frozenset[int] = frozenset(),
     ) -> Program:
         """The program of ``half`` (``schedule.build_schedule`` with these arguments, compiled)."""
         key = (
@@ -175,6 +177,8 @@ class ProgramCache:
             shared,
             pulls_from,
             pulled_by,
+            maps_from,
+            mapped_by,
         )
         cached = self._cached
         if cached is not None and cached[0] == key:
@@ -188,6 +192,8 @@ class ProgramCache:
             shared=shared,
             pulls_from=pulls_from,
             pulled_by=pulled_by,
+            maps_from=maps_from,
+            mapped_by=mapped_by,
         )
         program = compile_program(half, schedule)
         self._cached = (key, program)

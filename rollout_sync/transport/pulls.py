@@ -139,11 +139,13 @@ def probe_pulls(
     pids: Mapping[int, int],
     timeout_s: float,
     map_sources: bool = True,
+    shareable: set[int] | None = None,
 ) -> ProbeResult:
     """Can this rank read each of ``peers``' memory (``process_vm_readv``) and map its storages (``mapped``),
     and can each do so with this rank's? Both ends of every pair call it at the same sync (their halves
     mirror each other) and learn both answers, so both build the same schedule. ``map_sources``: this rank
-    lets its storages be mapped and maps its peers' (a pair maps only where both ends allow it)."""
+    lets its storages be mapped and maps its peers' (a pair maps only where both ends allow it);
+    ``shareable``: the peers that may map this rank's storages (default: all)."""
     cross_memory.allow_pulls()
     timeout = timedelta(seconds=timeout_s)
     value = secrets.randbits(62)
@@ -154,12 +156,18 @@ def probe_pulls(
             fd, inode, _ = share(magic)  # moves it into shared memory first: its address is read after
         except (OSError, RuntimeError):
             fd = inode = -1
-    mine = torch.tensor([magic.data_ptr(), value, fd, inode], dtype=torch.int64)
+    mine = {
+        p: torch.tensor(
+            [magic.data_ptr(), value, *((fd, inode) if shareable is None or p in shareable else (-1, -1))],
+            dtype=torch.int64,
+        )
+        for p in peers
+    }
     theirs = {p: torch.zeros(4, dtype=torch.int64) for p in peers}
     answers = {p: torch.zeros(1, dtype=torch.int64) for p in peers}
     works: list[Any] = []
     try:
-        works += [group.send([mine], p, PROBE_TAG) for p in peers]
+        works += [group.send([mine[p]], p, PROBE_TAG) for p in peers]
         for w in [group.recv([theirs[p]], p, PROBE_TAG) for p in peers]:
             w.wait(timeout)
         found = {}

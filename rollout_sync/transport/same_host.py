@@ -13,11 +13,14 @@ once), its mappings of their storages, and the pull plan of the current program.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
+
+import torch
 
 from ..planning.half import PlanHalf
 from . import cross_memory
-from .mapped import MappedPeers
+from .mapped import MappedPeers, table_of
 from .program import Program
 from .pulls import PullPlan, probe_pulls, pull_plan
 from .schedule import Schedule, peers_of
@@ -45,7 +48,7 @@ class SameHostPairs:
         self.pulled_by: frozenset[int] = frozenset()  # same-host peers that can read this rank
         self.maps_from: frozenset[int] = frozenset()  # same-host peers whose storages this rank maps
         self.mapped_by: frozenset[int] = frozenset()  # same-host peers that map this rank's storages
-        self.mapped = MappedPeers(frozenset(), {} if same_host is None else dict(same_host.peers))
+        self.mapped = MappedPeers({} if same_host is None else dict(same_host.peers))
         self._probed: set[int] = set()
         self._pulls_cached: tuple[Program, PullPlan] | None = None
 
@@ -54,8 +57,12 @@ class SameHostPairs:
         """Bytes of shared slots this rank made (its send slots to same-host peers)."""
         return 0 if self.slots is None else self.slots.created_bytes
 
-    def probe(self, group: Any, rank: int, half: PlanHalf, timeout: float) -> None:
-        """Probe the same-host peers this half exchanges bytes with and has not probed yet (``pulls``)."""
+    def probe(
+        self, group: Any, rank: int, half: PlanHalf, timeout: float, sources: Mapping[str, torch.Tensor]
+    ) -> None:
+        """Probe the same-host peers this half exchanges bytes with and has not probed yet (``pulls``). A
+        peer may map this rank only if every storage this rank sends it from can be shared now
+        (``mapped.table_of``; a process out of file descriptors or of shared memory cannot)."""
         if self.slots is None or not cross_memory.supported():
             return
         send_peers, recv_peers = peers_of(half, self.in_process)
@@ -63,18 +70,19 @@ class SameHostPairs:
         if not peers:
             return
         pids = self.slots.same_host.peers
-        found = probe_pulls(group, rank, peers, pids, timeout, self.map_sources)
+        shareable = set()
+        if self.map_sources:
+            for peer in peers:
+                names = sorted({half.tensors[s.tensor].name for s in half.sends if s.target_rank == peer})
+                if table_of(names, sources)[1] is None:
+                    shareable.add(peer)
+        found = probe_pulls(group, rank, peers, pids, timeout, self.map_sources, shareable)
         self._probed.update(peers)
         self.pulls_from |= found.pulls_from
         self.pulled_by |= found.pulled_by
         self.maps_from |= found.maps_from
         self.mapped_by |= found.mapped_by
-        self.mapped.peers = self.maps_from | self.mapped_by
-
-    @property
-    def handoff_peers(self) -> frozenset[int]:
-        """Peers whose segments with this rank are handoffs: in this process, or mapped."""
-        return self.in_process | self.mapped.peers
+        self.mapped.maps_from, self.mapped.mapped_by = self.maps_from, self.mapped_by
 
     def segments(
         self, half: PlanHalf, schedule: Schedule, offers: list[int], rank: int

@@ -143,11 +143,15 @@ def build_schedule(
     pulls_from: frozenset[int] = frozenset(),
     pulled_by: frozenset[int] = frozenset(),
     uniform: bool = False,
+    maps_from: frozenset[int] = frozenset(),
+    mapped_by: frozenset[int] = frozenset(),
 ) -> Schedule:
     """The schedule of ``half`` given the agreed message size with each peer; segments with a peer in
     ``in_process`` become handoffs; peers in ``shared`` get shared slots, and direct messages only where
-    this rank pulls from them (``pulls_from``) or they pull from it (``pulled_by``); ``uniform``: one wire
-    element size per packed message (``pair_messages``)."""
+    this rank pulls from them (``pulls_from``) or they pull from it (``pulled_by``); segments this rank sends
+    to a peer that maps its storages (``mapped_by``) or receives from one whose storages it maps
+    (``maps_from``) are handoffs too (``mapped``); ``uniform``: one wire element size per packed message
+    (``pair_messages``)."""
     if depth not in (1, 2):
         raise ValueError(f"depth must be 1 or 2, not {depth}")
     by_peer_out: dict[int, list[Segment]] = {}
@@ -155,12 +159,12 @@ def build_schedule(
     handoff_in: dict[int, list[Segment]] = {}
     handoff_to: set[int] = set()
     for s in half.sends:
-        if s.target_rank in in_process:
+        if s.target_rank in in_process or s.target_rank in mapped_by:
             handoff_to.add(s.target_rank)
         else:
             by_peer_out.setdefault(s.target_rank, []).append(s)
     for s in half.receives:
-        if s.source_rank in in_process:
+        if s.source_rank in in_process or s.source_rank in maps_from:
             handoff_in.setdefault(s.source_rank, []).append(s)
         else:
             by_peer_in.setdefault(s.source_rank, []).append(s)

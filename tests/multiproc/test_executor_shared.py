@@ -70,7 +70,7 @@ def _random(rank: int, world: int, group, seeds: list[int], group_id: str, map_s
                     "sent": stats.bytes_sent,
                     "received": stats.bytes_received,
                     "left": _ours(group_id) + _torch_files(os.getpid()),
-                    "mapped": sorted(executor.pairs.mapped.peers),
+                    "mapped": sorted(executor.pairs.maps_from | executor.pairs.mapped_by),
                     "handed": stats.bytes_handed,
                 }
             )
@@ -229,7 +229,7 @@ def _moved(rank: int, world: int, group, group_id: str) -> dict:
         fill(sources["w"], full)
         group.barrier().wait()
         sync()
-        out["mapped"] = sorted(executor.pairs.mapped.peers)
+        out["mapped"] = sorted(executor.pairs.maps_from | executor.pairs.mapped_by)
         out["mappings"] = len(executor.pairs.mapped.maps)
     finally:
         executor.close()
@@ -250,3 +250,56 @@ def test_a_sender_s_storage_is_moved_into_shared_memory_in_place_and_remapped_wh
             "mappings": 1,
             "left": [],
         }, (rank, r)
+
+
+def _unshareable(rank: int, world: int, group, group_id: str) -> dict:
+    """Rank 0 cannot share its storages (as a process out of file descriptors or of /dev/shm): at the probe
+    it offers no mapping, so its sends go through pulls and shared slots while rank 1's are still mapped;
+    exact both ways."""
+    import random as _random
+
+    from rollout_sync.transport import mapped
+
+    if rank == 0:
+
+        def refused(tensor: torch.Tensor) -> tuple[int, int, int]:
+            raise RuntimeError("unable to write to file </torch_0_0>: No space left on device (28)")
+
+        mapped.share = refused  # type: ignore[assignment]
+    same_host = _same_host(group, rank, world, group_id)
+    shape = (256, 128)
+    src = side_map("w", shape, "float32", "rows", [0, 1], _random.Random(5))
+    tgt = side_map("w", shape, "float32", "replicated", [0, 1], _random.Random(5))
+    plan = plan_model([src], [tgt])
+    rows = src.ranks[rank]
+    full = torch.randn(shape, generator=torch.Generator().manual_seed(7))
+    sources = {"w": torch.empty(rows.shape)}
+    for piece in rows.pieces:
+        box = tuple(slice(o, o + e) for o, e in zip(piece.box.origin, piece.box.extent, strict=True))
+        torch.as_strided(sources["w"], piece.box.extent, piece.strides, piece.offset).copy_(full[box])
+    executor = Executor(group, ExecuteOptions(timeout=30), same_host=same_host)
+    exact = []
+    try:
+        for _ in range(2):
+            targets = {"w": torch.full(shape, float("nan"))}
+            stats = executor.execute(plan.half(rank), sources, targets)
+            exact.append(torch.equal(targets["w"], full))
+        return {
+            "exact": exact,
+            "maps_from": sorted(executor.pairs.maps_from),
+            "mapped_by": sorted(executor.pairs.mapped_by),
+            "sent": sorted(int(p) for p in stats.bytes_sent),
+            "handed": sorted(int(p) for p in stats.bytes_handed),
+        }
+    finally:
+        executor.close()
+
+
+def test_a_sender_that_cannot_share_its_storages_is_not_mapped_and_its_bytes_still_arrive() -> None:
+    group_id = secrets.token_hex(6)
+    results = run_on_ranks(_unshareable, 2, group_id, timeout=200)
+    assert results == [
+        {"exact": [True, True], "maps_from": [1], "mapped_by": [], "sent": [1], "handed": []},
+        {"exact": [True, True], "maps_from": [], "mapped_by": [0], "sent": [], "handed": [0]},
+    ], results
+    assert _ours(group_id) == []
