@@ -18,9 +18,9 @@ replicated). Maps from ``rollout_sync.shapes`` (``trainer_maps``, ``vllm_target_
   full-size buffer), and each rollout rank copies its shard out (the weight loader's narrow + copy).
 - ``ceiling``: the bytes ours moves between each pair of ranks, as one preallocated packed buffer per
   pair, sent with raw ``send``/``recv``: transport only, no planning, no packing, no copies.
-- ``ours_same_host``: ours with the same-host transport (``transport.shared_memory``: every rank knows the
-  others run on this host; staged bytes go through shared slots, signals over gloo). ``ours`` above is the
-  gloo path (no rank knows where the others run).
+- ``ours_same_host``: ours with the same-host transport (every rank knows the others run on this host):
+  each receiver maps its senders' storages and copies its segments straight from them (``transport.mapped``;
+  small tables and "done" over gloo). ``ours`` above is the gloo path (no rank knows where the others run).
 - ``memcpy_bound``: one copy of the bytes each rank receives (``bytes_received`` of ours), preallocated
   buffer to buffer, on every rank at once: what moving those bytes through memory costs at the least.
 

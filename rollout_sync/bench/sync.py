@@ -21,8 +21,8 @@ sync moves new values.
   every byte over gloo), then each sync = executing the plan (trainer ranks send their half, workers
   receive theirs and refresh vLLM's derived copies), then ``reset_prefix_cache``.
 - ``ours_same_host``: the same after a second handshake with the same-host transport (the default:
-  trainer ranks and workers share this host, so bytes are pulled from the sender's memory or staged in
-  shared memory, ``transport.shared_memory``); its own bitwise check (``same_host_bitwise_equal``).
+  trainer ranks and workers share this host, so each worker maps the trainer ranks' storages and copies
+  straight from them, ``transport.mapped``); its own bitwise check (``same_host_bitwise_equal``).
 - ``delta``: a third handshake with ``delta=True`` (over gloo, like ``ours``). Per changed fraction (1%, 10%,
   50%): two full syncs (unmeasured: they fill the trainer ranks' shadows), then ``--warmup`` + ``--syncs``
   syncs, each after a synthetic optimizer step on that fraction of the trainer's stored weights at random

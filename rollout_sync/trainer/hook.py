@@ -78,7 +78,9 @@ class TrainerSync:
         ``every``: sync after every N-th applied optimizer step (``None``: only explicit ``sync()`` calls);
         ``state``: which trainer state to send (``param`` for the low-precision weights, ``fp32`` for the
         master weights); ``shared_memory``: ranks on one host in other processes move bytes through shared
-        memory instead of gloo (CPU; decided by trainer rank 0 for the whole group); ``delta``: after a sync
+        memory instead of gloo (CPU; decided by trainer rank 0 for the whole group): each vLLM worker maps
+        the storages this rank sends from, which move into shared memory in place at the first sync
+        (``transport.mapped``); ``delta``: after a sync
         every rank committed, send only the elements that changed (``transport.delta``; each trainer rank
         keeps a copy of what it sent, ``SyncStats.delta_state_bytes``; decided by trainer rank 0)."""
         import torch.distributed as dist
