@@ -105,6 +105,7 @@ def delta_figures(results: list[dict[str, Any]], zero: int, autotp: int, autoep:
         "changed_fraction": sum(r["changed"] for r in ranks) / max(sum(r["elements"] for r in ranks), 1),
         "sync_changed_fraction": sum(s["elements_changed"] for s in stats) / compared if compared else None,
         "bytes_sent": sum(sum(s["bytes_sent"].values()) for s in stats),
+        "bytes_mapped": sum(sum(s["bytes_mapped"].values()) for s in stats),
     }
 
 
@@ -253,7 +254,10 @@ def main(argv: list[str] | None = None) -> int:
             workers = receive_sync([llm])[0]  # blocks while the trainer ranks send; sets weight_version
             results = pending.result(300)
             sync = results[0]["sync"]
-            moved = sum(sum(w["stats"]["bytes_received"].values()) for w in workers)
+            # as messages, or copied by the workers straight from the trainer's storages they map (same host)
+            moved = sum(sum(w["stats"]["bytes_received"].values()) for w in workers) + sum(
+                sum(r["sync"]["stats"]["bytes_mapped"].values()) for r in results
+            )
             row: dict[str, Any] = {
                 "step": step,
                 "reward": sum(rewards) / len(rewards),

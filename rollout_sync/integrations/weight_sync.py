@@ -207,7 +207,8 @@ class WeightSync:
 
     def summary(self) -> dict[str, Any]:
         """Per-process figures: syncs, their seconds (median, each), the last sync's bytes sent over the process
-        group and bytes handed to ranks in this process (copied in memory), its version; per sync, the bytes
+        group, bytes handed to ranks in this process and bytes copied by same-host workers that map this
+        process's storages (both copied in memory), its version; per sync, the bytes
         this process sent and, for delta syncs, the share of the elements it compared that had changed."""
         seconds = [r.seconds for r in self.history]
         last = self.history[-1] if self.history else None
@@ -218,6 +219,7 @@ class WeightSync:
             "sync_s": [round(s, 4) for s in seconds],
             "bytes_sent": sum(last.stats.bytes_sent.values()) if last else 0,  # the last sync's
             "in_process_bytes": self.in_process_bytes(last) if last else 0,
+            "mapped_bytes": sum(last.stats.bytes_mapped.values()) if last else 0,
             "version": last.version if last else None,
             "bytes_sent_per_sync": [sum(r.stats.bytes_sent.values()) for r in self.history],
             "changed_fraction": [changed_fraction(r) for r in self.history],

@@ -52,7 +52,8 @@ class ExecuteOptions:
 class SyncStats:
     """What one rank did in one sync. Byte counts are payload bytes on the wire (``messages.wire_dtype``);
     ``bytes_handed``: per peer in this process, the bytes (in the target's dtype) that peer copied straight
-    from this rank's sources (handoffs, no message); ``local_bytes`` counts this rank's copies within
+    from this rank's sources (handoffs, no message); ``bytes_mapped`` the same for same-host peers in other
+    processes that map this rank's storages; ``local_bytes`` counts this rank's copies within
     itself and from peers in its process."""
 
     rank: int
@@ -66,6 +67,9 @@ class SyncStats:
     staging_cap_bytes: int
     seconds: dict[str, float] = field(default_factory=dict)
     bytes_handed: dict[int, int] = field(default_factory=dict)
+    bytes_mapped: dict[int, int] = field(default_factory=dict)
+    """Per same-host peer in another process that maps this rank's storages (``mapped``), the bytes (in the
+    target's dtype) it copied straight from them (no message)."""
     bytes_pulled: dict[int, int] = field(default_factory=dict)
     """Of ``bytes_received``, per same-host peer, the bytes this rank pulled straight from its memory."""
     delta_base: int | None = None
@@ -93,6 +97,7 @@ class SyncStats:
             "staging_cap_bytes": self.staging_cap_bytes,
             "seconds": dict(self.seconds),
             "bytes_handed": {str(k): v for k, v in self.bytes_handed.items()},
+            "bytes_mapped": {str(k): v for k, v in self.bytes_mapped.items()},
             "bytes_pulled": {str(k): v for k, v in self.bytes_pulled.items()},
             "delta_base": self.delta_base,
             "elements_compared": self.elements_compared,

@@ -23,5 +23,6 @@ def test_callback_syncs_at_train_begin_and_after_every_optimizer_step(tmp_path):
     )
     assert out["steps"] == 3 and out["syncs"] == 4 and out["version"] == 3, out
     assert out["all_verified"], out
-    assert out["in_process_bytes"] > 0 and out["bytes_sent"] > 0, out  # ZeRO-3 on 2 ranks: half in process
+    # ZeRO-3 on 2 ranks: half in process, half to the other process's worker (messages, or mapped: same host)
+    assert out["in_process_bytes"] > 0 and out["bytes_sent"] + out["mapped_bytes"] > 0, out
     assert len(out["sampled"]) == 4, out
