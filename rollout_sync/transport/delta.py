@@ -3,11 +3,14 @@
 **What a sender compares.** A delta sync runs the rank's half as a schedule in which every segment is packed
 (no direct messages, no shared slots, one element size per message: ``DeltaProgram``), with the message
 sizes the agreement gave. The
-sender packs each message as a full sync would (cast to the wire dtype, so a change is a change of what the
-receiver holds) and compares it, bit for bit, with the same message as it last sent it: its **shadow**, one
-byte buffer per rank holding every message it sends, laid end to end (``DeltaProgram.shadow_at``,
-``delta_shadow.Shadow``). The shadow costs the bytes this rank sends per sync (``shadow_bytes``), once, on
-the sender only; it is kept only where ``ExecuteOptions.delta`` is on.
+sender compares each message as a full sync would pack it (cast to the wire dtype, so a change is a change of
+what the receiver holds), bit for bit, with the same message as it last sent it: its **shadow**, one byte
+buffer per rank holding every message it sends, laid end to end (``DeltaProgram.shadow_at``,
+``delta_shadow.Shadow``). On CPU a copy whose source storage already holds the wire's bit patterns is
+compared where it is (``delta_shadow.message_runs``, ``delta_compare``), and only a message sent whole is
+packed. The shadow costs the bytes this rank sends per sync (``shadow_bytes``), once, on the sender only; it
+is kept only where ``ExecuteOptions.delta`` is on. Coding and applying reuse ``DeltaProgram.scratch``
+(``delta_compare.Scratch``: a few bytes per element a message may change, kept while the layout stays).
 
 **What travels.** Per message, a 16-byte head (int64 mode and payload bytes) and, unless nothing changed, a
 payload: the changes coded by ``delta_codec`` when at most ``1/MAX_CHANGED_SHARE`` of its elements changed
@@ -17,8 +20,8 @@ it. The head of round ``k`` has tag
 copied whole, as in a full sync: they are memory copies.
 
 **What a receiver does.** For a coded message it finds where each changed element lands (``Landing``: the
-message's copies as tables, a binary search and an unravel per element: ``delta_landing``), reads the old
-values there (the receiver holds the base version: the agreement checked it), decodes the new ones and
+message's copies as tables; on CPU, for 1-D copies, a binary search per copy and an affine map per element,
+else a binary search and an unravel per element: ``delta_landing``), reads the old values there (the receiver holds the base version: the agreement checked it), decodes the new ones and
 writes them. A whole message is unpacked as in a full sync.
 
 **When.** Every rank puts its base in the agreement record: the version of the last sync it committed under
@@ -45,6 +48,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass, field
 
+from .delta_compare import Scratch
 from .delta_landing import Landing
 from .messages import Message
 from .program import PartProgram, Program
@@ -59,9 +63,11 @@ __all__ = [
 
 MAX_CHANGED_SHARE = 32
 """A message is coded when at most 1/32 of its elements changed, else sent whole. Bytes alone would code up
-to about 85% changed (2.3 bytes per changed bf16 element against 2 per element), but coding and applying
-cost about 100-200 ns per changed element on this 2-core CPU (against about 1.5 ns per element for a whole
-message over loopback gloo): past a few percent a whole message is faster here."""
+to about 85% changed (2.3 bytes per changed bf16 element against 2 per element), but on this 2-core CPU
+finding the changes costs about 1 ns per element compared (changed or not), coding them about 5 ns per
+changed element and applying them 30-90 ns (reads and writes scattered over the targets), against about
+1.5 ns per element for a whole message over loopback gloo: past a few percent a whole message is faster
+here."""
 
 FALLBACK_SHARE = 1 / MAX_CHANGED_SHARE
 """The default of ``ExecuteOptions.delta_full_above``: a sender whose sample says more than this share of
@@ -91,6 +97,7 @@ class DeltaProgram:
     shadow_at: dict[tuple[int, int], int]  # (peer, round) of a send message -> its byte offset in the shadow
     shadow_bytes: int
     landings: dict[tuple[int, int], Landing] = field(default_factory=dict)
+    scratch: Scratch = field(default_factory=Scratch)  # what coding and applying reuse, message to message
 
     @classmethod
     def of(cls, program: Program, layout: bytes) -> DeltaProgram:

@@ -14,9 +14,10 @@ import torch
 
 from ..errors import WireFormatError
 from .delta import MAX_CHANGED_SHARE, DeltaProgram, message_itemsize
-from .delta_codec import bits_dtype, changed_positions, encode, max_encoded_bytes
+from .delta_codec import bits_dtype, changed_positions, encode, encode_changes, max_encoded_bytes
+from .delta_compare import Run, find_changes
 from .delta_landing import apply_changes
-from .delta_shadow import Shadow
+from .delta_shadow import Shadow, message_runs
 from .messages import Message
 from .p2p import Op, Pending, Transport
 from .program import PartProgram, pack, unpack
@@ -72,27 +73,19 @@ def run_delta(
     def send(m: Message, parts: tuple[PartProgram, ...]) -> None:
         nonlocal t
         buf = slot("send", m)
-        pack(buf, parts, sources)
-        t = add("pack", t)
         itemsize = message_itemsize(parts)
-        mode, payload = WHOLE, buf
-        if itemsize is not None:
-            bits = bits_dtype(itemsize)
-            new = buf.view(bits)
-            old = shadow.of(delta, m).view(bits)
-            counts.compared += new.numel()
-            changed, positions = changed_positions(new, old, new.numel() // MAX_CHANGED_SHARE)
-            counts.changed += changed
-            t = add("compare", t)
-            if positions is None or max_encoded_bytes(changed, itemsize) > buf.numel():
-                old.copy_(new)
-            elif changed == 0:
-                mode, payload = NONE, buf[:0]
-            else:
-                values = new.index_select(0, positions)
-                nbytes = encode(new, old, positions, buf, values)
-                old.index_copy_(0, positions, values)
-                mode, payload = CODED, buf[:nbytes]
+        # on CPU, copies whose source holds the wire's bits are compared where they are, not packed
+        runs = None if itemsize is None else message_runs(shadow.of(delta, m), buf, parts, sources)
+        if runs is None:
+            pack(buf, parts, sources)
+        t = add("pack", t)
+        if itemsize is None:
+            mode, nbytes = WHOLE, buf.numel()
+        elif runs is None:
+            mode, nbytes = code_packed(m, parts, itemsize, buf)
+        else:
+            mode, nbytes = code_runs(m, parts, itemsize, buf, runs)
+        payload = buf[:nbytes]
         t = add("code", t)
         head = torch.tensor([mode, payload.numel()], dtype=torch.int64)
         keep.append(head)
@@ -103,6 +96,49 @@ def run_delta(
         counts.bytes_sent[m.peer] = counts.bytes_sent.get(m.peer, 0) + 16 + payload.numel()
         counts.messages_sent += len(ops)
         t = add("post", t)
+
+    def code_runs(
+        m: Message, parts: tuple[PartProgram, ...], itemsize: int, buf: torch.Tensor, runs: list[Run]
+    ) -> tuple[int, int]:
+        """On CPU: compare the runs (``message_runs``), code what changed into ``buf`` (or pack it whole),
+        update the shadow; the mode and payload bytes."""
+        nonlocal t
+        old = shadow.of(delta, m)
+        elements = m.nbytes // itemsize
+        counts.compared += elements
+        limit = elements // MAX_CHANGED_SHARE
+        changed, changes = find_changes(runs, itemsize, limit, delta.scratch, update=True)  # the shadow too
+        counts.changed += changed
+        t = add("compare", t)
+        if changes is None or max_encoded_bytes(changed, itemsize) > buf.numel():
+            pack(buf, parts, sources)
+            old.copy_(buf)
+            return WHOLE, buf.numel()
+        if changed == 0:
+            return NONE, 0
+        return CODED, encode_changes(changes, itemsize, buf.numpy(), delta.scratch)
+
+    def code_packed(
+        m: Message, parts: tuple[PartProgram, ...], itemsize: int, buf: torch.Tensor
+    ) -> tuple[int, int]:
+        """The same off CPU, in torch: the packed message against the shadow."""
+        nonlocal t
+        bits = bits_dtype(itemsize)
+        new = buf.view(bits)
+        old = shadow.of(delta, m).view(bits)
+        counts.compared += new.numel()
+        changed, positions = changed_positions(new, old, new.numel() // MAX_CHANGED_SHARE)
+        counts.changed += changed
+        t = add("compare", t)
+        if positions is None or max_encoded_bytes(changed, itemsize) > buf.numel():
+            old.copy_(new)
+            return WHOLE, buf.numel()
+        if changed == 0:
+            return NONE, 0
+        values = new.index_select(0, positions)
+        nbytes = encode(new, old, positions, buf, values)
+        old.index_copy_(0, positions, values)
+        return CODED, nbytes
 
     def receive(round_: int) -> None:
         nonlocal t
@@ -141,7 +177,8 @@ def run_delta(
                         f"rank {transport.rank}: rank {m.peer} coded a message of mixed dtypes"
                     )
                 try:
-                    apply_changes(buf, delta.landing(m, parts, itemsize), targets, m.nbytes // itemsize)
+                    landing = delta.landing(m, parts, itemsize)
+                    apply_changes(buf, landing, targets, m.nbytes // itemsize, delta.scratch)
                 except ValueError as e:
                     raise WireFormatError(
                         f"rank {transport.rank}: message {m.round} from rank {m.peer}: {e}"
