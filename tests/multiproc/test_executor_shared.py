@@ -71,7 +71,7 @@ def _random(rank: int, world: int, group, seeds: list[int], group_id: str, map_s
                     "received": stats.bytes_received,
                     "left": _ours(group_id) + _torch_files(os.getpid()),
                     "mapped": sorted(executor.pairs.maps_from | executor.pairs.mapped_by),
-                    "handed": stats.bytes_handed,
+                    "handed": stats.bytes_mapped,
                 }
             )
             executor.close()
@@ -185,28 +185,41 @@ def test_dense_segments_are_pulled_from_the_sender_s_memory_where_the_probe_allo
     assert _ours(group_id) == []
 
 
+def _rows_plan(rank: int, target_dtype: str):
+    """Each of two ranks holds rows of a 256 x 128 float32 ``w``; every rank receives the whole tensor in
+    ``target_dtype``: the plan and this rank's map."""
+    import random as _random
+
+    shape = (256, 128)
+    src = side_map("w", shape, "float32", "rows", [0, 1], _random.Random(5))
+    tgt = side_map("w", shape, target_dtype, "replicated", [0, 1], _random.Random(5))
+    return plan_model([src], [tgt]), src.ranks[rank]
+
+
+def _rows_setup(rank: int, target_dtype: str):
+    """``_rows_plan``, the whole tensor's values (the same on both ranks) and this rank's source storage."""
+    plan, rows = _rows_plan(rank, target_dtype)
+    full = torch.randn((256, 128), generator=torch.Generator().manual_seed(7))
+    sources = {"w": torch.empty(rows.shape)}
+    _fill_rows(sources["w"], rows, full)
+    return plan, rows, full, sources
+
+
+def _fill_rows(storage: torch.Tensor, rows, full: torch.Tensor) -> None:
+    """Write this rank's rows of ``full`` into its storage."""
+    for piece in rows.pieces:
+        box = tuple(slice(o, o + e) for o, e in zip(piece.box.origin, piece.box.extent, strict=True))
+        torch.as_strided(storage, piece.box.extent, piece.strides, piece.offset).copy_(full[box])
+
+
 def _moved(rank: int, world: int, group, group_id: str) -> dict:
     """Each rank holds rows of ``w`` (float32; the targets are bfloat16: the receiver casts while it copies)
     and receives the whole tensor. The first sync moves each sender's storage into shared memory in place:
     a view taken before it still writes the storage the peer maps (an optimizer step through DeepSpeed's
     own views); a storage replaced between syncs is mapped anew and the old mapping dropped."""
-    import random as _random
-
     same_host = _same_host(group, rank, world, group_id)
-    shape = (256, 128)
-    src = side_map("w", shape, "float32", "rows", [0, 1], _random.Random(5))
-    tgt = side_map("w", shape, "bfloat16", "replicated", [0, 1], _random.Random(5))
-    plan = plan_model([src], [tgt])
-    rows = src.ranks[rank]
-
-    def fill(storage: torch.Tensor, full: torch.Tensor) -> None:
-        for piece in rows.pieces:
-            box = tuple(slice(o, o + e) for o, e in zip(piece.box.origin, piece.box.extent, strict=True))
-            torch.as_strided(storage, piece.box.extent, piece.strides, piece.offset).copy_(full[box])
-
-    full = torch.randn(shape, generator=torch.Generator().manual_seed(7))
-    sources = {"w": torch.empty(rows.shape)}
-    fill(sources["w"], full)
+    plan, rows, full, sources = _rows_setup(rank, "bfloat16")
+    shape = full.shape
     before = sources["w"].view(-1)[:]  # a view made before the storage moves
     executor = Executor(group, ExecuteOptions(timeout=30), same_host=same_host)
     out: dict = {"exact": []}
@@ -221,12 +234,12 @@ def _moved(rank: int, world: int, group, group_id: str) -> dict:
         out["shared"] = sources["w"].untyped_storage().is_shared()
         out["same_storage"] = before.untyped_storage().data_ptr() == sources["w"].untyped_storage().data_ptr()
         full = full * 2  # the step, written through the old view
-        fill(before.view(rows.shape), full)
+        _fill_rows(before.view(rows.shape), rows, full)
         group.barrier().wait()
         sync()
         full = full + 1  # a new storage for the same tensor
         sources = {"w": torch.empty(rows.shape)}
-        fill(sources["w"], full)
+        _fill_rows(sources["w"], rows, full)
         group.barrier().wait()
         sync()
         out["mapped"] = sorted(executor.pairs.maps_from | executor.pairs.mapped_by)
@@ -256,8 +269,6 @@ def _unshareable(rank: int, world: int, group, group_id: str) -> dict:
     """Rank 0 cannot share its storages (as a process out of file descriptors or of /dev/shm): at the probe
     it offers no mapping, so its sends go through pulls and shared slots while rank 1's are still mapped;
     exact both ways."""
-    import random as _random
-
     from rollout_sync.transport import mapped
 
     if rank == 0:
@@ -267,16 +278,8 @@ def _unshareable(rank: int, world: int, group, group_id: str) -> dict:
 
         mapped.share = refused  # type: ignore[assignment]
     same_host = _same_host(group, rank, world, group_id)
-    shape = (256, 128)
-    src = side_map("w", shape, "float32", "rows", [0, 1], _random.Random(5))
-    tgt = side_map("w", shape, "float32", "replicated", [0, 1], _random.Random(5))
-    plan = plan_model([src], [tgt])
-    rows = src.ranks[rank]
-    full = torch.randn(shape, generator=torch.Generator().manual_seed(7))
-    sources = {"w": torch.empty(rows.shape)}
-    for piece in rows.pieces:
-        box = tuple(slice(o, o + e) for o, e in zip(piece.box.origin, piece.box.extent, strict=True))
-        torch.as_strided(sources["w"], piece.box.extent, piece.strides, piece.offset).copy_(full[box])
+    plan, _, full, sources = _rows_setup(rank, "float32")
+    shape = full.shape
     executor = Executor(group, ExecuteOptions(timeout=30), same_host=same_host)
     exact = []
     try:
@@ -289,7 +292,7 @@ def _unshareable(rank: int, world: int, group, group_id: str) -> dict:
             "maps_from": sorted(executor.pairs.maps_from),
             "mapped_by": sorted(executor.pairs.mapped_by),
             "sent": sorted(int(p) for p in stats.bytes_sent),
-            "handed": sorted(int(p) for p in stats.bytes_handed),
+            "handed": sorted(int(p) for p in stats.bytes_mapped),
         }
     finally:
         executor.close()

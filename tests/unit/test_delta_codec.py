@@ -351,6 +351,19 @@ def test_truncated_or_inconsistent_payloads_are_refused() -> None:
         decode_positions(bad)
 
 
+def _uniform_messages(half, peer: int, kind: str):
+    """Every packed message of ``half`` with ``peer`` (``kind``: "sends" or "receives") under uniform
+    schedules of three message sizes: its program, the message, its parts and their element size."""
+    for size in (64, 96, 4096):
+        schedule = build_schedule(half, {peer: size}, zero_copy=False, depth=1, uniform=True)
+        program = compile_program(half, schedule)
+        for entries in getattr(program, kind).values():
+            for m, parts in entries:
+                itemsize = message_itemsize(parts)
+                assert itemsize is not None
+                yield program, m, parts, itemsize
+
+
 def test_apply_changes_through_numpy_and_torch_leaves_the_same_targets(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -358,37 +371,29 @@ def test_apply_changes_through_numpy_and_torch_leaves_the_same_targets(
     sources, targets = _maps()
     half = plan_model(sources, targets).half(1)
     flat = set()
-    for size in (64, 96, 4096):
-        schedule = build_schedule(half, {0: size}, zero_copy=False, depth=1, uniform=True)
-        program = compile_program(half, schedule)
-        for entries in program.receives.values():
-            for m, parts in entries:
-                itemsize = message_itemsize(parts)
-                assert itemsize is not None
-                landing = Landing.of(parts, itemsize)
-                flat.add(landing.flat)
-                elements = m.nbytes // itemsize
-                bits = bits_dtype(itemsize)
-                start = torch.zeros(m.nbytes, dtype=torch.uint8)
-                start.view(bits).copy_(torch.arange(elements).to(bits))
-                changed = start.clone()
-                g = torch.Generator().manual_seed(elements)
-                at = (torch.rand(elements, generator=g) < 0.3).nonzero().squeeze(1)
-                changed.view(bits)[at] += torch.randint(1, 400, (at.numel(),), generator=g).to(bits)
-                payload = torch.zeros(max_encoded_bytes(at.numel(), itemsize), dtype=torch.uint8)
-                nbytes = encode(changed.view(bits), start.view(bits), at, payload)
-                for scratch in (Scratch(), None):  # NumPy, torch
-                    storages = {
-                        t.name: torch.zeros(t.ranks[1].shape, dtype=torch_dtype(t.dtype)) for t in targets
-                    }
-                    storages["c"] = storages["c"].float()  # wider than the wire: read and written by torch
-                    wrapped = Targets(storages, None, half, program)
-                    unpack(start, parts, wrapped)
-                    n = apply_changes(payload[:nbytes], landing, wrapped, elements, scratch)
-                    assert n == at.numel()
-                    expected = {k: v.clone() for k, v in storages.items()}
-                    unpack(changed, parts, Targets(expected, None, half, program))
-                    assert all(torch.equal(storages[k], expected[k]) for k in storages)
+    for program, m, parts, itemsize in _uniform_messages(half, 0, "receives"):
+        landing = Landing.of(parts, itemsize)
+        flat.add(landing.flat)
+        elements = m.nbytes // itemsize
+        bits = bits_dtype(itemsize)
+        start = torch.zeros(m.nbytes, dtype=torch.uint8)
+        start.view(bits).copy_(torch.arange(elements).to(bits))
+        changed = start.clone()
+        g = torch.Generator().manual_seed(elements)
+        at = (torch.rand(elements, generator=g) < 0.3).nonzero().squeeze(1)
+        changed.view(bits)[at] += torch.randint(1, 400, (at.numel(),), generator=g).to(bits)
+        payload = torch.zeros(max_encoded_bytes(at.numel(), itemsize), dtype=torch.uint8)
+        nbytes = encode(changed.view(bits), start.view(bits), at, payload)
+        for scratch in (Scratch(), None):  # NumPy, torch
+            storages = {t.name: torch.zeros(t.ranks[1].shape, dtype=torch_dtype(t.dtype)) for t in targets}
+            storages["c"] = storages["c"].float()  # wider than the wire: read and written by torch
+            wrapped = Targets(storages, None, half, program)
+            unpack(start, parts, wrapped)
+            n = apply_changes(payload[:nbytes], landing, wrapped, elements, scratch)
+            assert n == at.numel()
+            expected = {k: v.clone() for k, v in storages.items()}
+            unpack(changed, parts, Targets(expected, None, half, program))
+            assert all(torch.equal(storages[k], expected[k]) for k in storages)
     assert flat == {True, False}  # 1-D copies only, and a transposed target's 2-D ones
 
 
@@ -397,25 +402,19 @@ def test_message_runs_compare_the_sources_as_the_packed_message() -> None:
     half = plan_model(sources, targets).half(0)
     storages = {m.name: torch.randn(m.ranks[0].shape).to(torch_dtype(m.dtype)) for m in sources}
     storages["c"] = storages["c"].float()  # packed (cast to bf16) before it is compared
-    for size in (64, 96, 4096):
-        schedule = build_schedule(half, {1: size}, zero_copy=False, depth=1, uniform=True)
-        program = compile_program(half, schedule)
-        for entries in program.sends.values():
-            for m, parts in entries:
-                itemsize = message_itemsize(parts)
-                assert itemsize is not None
-                bits = bits_dtype(itemsize)
-                shadow = torch.zeros(m.nbytes, dtype=torch.uint8)
-                pack(shadow, parts, storages)
-                g = torch.Generator().manual_seed(m.nbytes)
-                shadow.view(bits)[torch.rand(m.nbytes // itemsize, generator=g) < 0.2] ^= 1
-                buf = torch.zeros(m.nbytes, dtype=torch.uint8)
-                runs = message_runs(shadow, buf, parts, storages)
-                assert runs is not None
-                count, changes = find_changes(runs, itemsize, m.nbytes, Scratch())
-                packed = torch.zeros(m.nbytes, dtype=torch.uint8)
-                pack(packed, parts, storages)
-                expected = (packed.view(bits) != shadow.view(bits)).nonzero().squeeze(1)
-                assert changes is not None and count == expected.numel()
-                assert torch.equal(torch.from_numpy(changes.positions), expected)
-                assert torch.equal(torch.from_numpy(changes.new), packed.view(bits)[expected])
+    for _, m, parts, itemsize in _uniform_messages(half, 1, "sends"):
+        bits = bits_dtype(itemsize)
+        shadow = torch.zeros(m.nbytes, dtype=torch.uint8)
+        pack(shadow, parts, storages)
+        g = torch.Generator().manual_seed(m.nbytes)
+        shadow.view(bits)[torch.rand(m.nbytes // itemsize, generator=g) < 0.2] ^= 1
+        buf = torch.zeros(m.nbytes, dtype=torch.uint8)
+        runs = message_runs(shadow, buf, parts, storages)
+        assert runs is not None
+        count, changes = find_changes(runs, itemsize, m.nbytes, Scratch())
+        packed = torch.zeros(m.nbytes, dtype=torch.uint8)
+        pack(packed, parts, storages)
+        expected = (packed.view(bits) != shadow.view(bits)).nonzero().squeeze(1)
+        assert changes is not None and count == expected.numel()
+        assert torch.equal(torch.from_numpy(changes.positions), expected)
+        assert torch.equal(torch.from_numpy(changes.new), packed.view(bits)[expected])
