@@ -118,7 +118,11 @@ def main(argv: list[str] | None = None) -> int:
         row: dict[str, Any] = {
             "version": version,
             "weight_version": llm.get_weight_version(),
-            "bytes_received": sum(sum(r["stats"]["bytes_received"].values()) for r in reports),
+            # as messages, or copied from the trainer's storages this worker maps (same host)
+            "bytes_received": sum(
+                sum(r["stats"]["bytes_received"].values()) + sum(r["stats"]["bytes_mapped_from"].values())
+                for r in reports
+            ),
             "tokens": [list(o.outputs[0].token_ids) for o in outputs],
             "weights_digest": weights_digest(llm),
         }

@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from ..layout.dtypes import itemsize
 from ..planning.half import PlanHalf
 from . import agreement
 from .delta import layout_key
@@ -298,6 +299,7 @@ class Executor:
             seconds=clock.seconds,
             bytes_handed={p: n for p, n in program.bytes_handed.items() if p in self.in_process},
             bytes_mapped={p: n for p, n in program.bytes_handed.items() if p not in self.in_process},
+            bytes_mapped_from=_mapped_from(half, schedule, self.in_process),
             bytes_pulled=pulled_bytes(self.pairs.pull_plan(program)),
             delta_state_bytes=self.delta_state_bytes,
             estimated_changed_share=self.delta_state.share,
@@ -370,6 +372,15 @@ class Executor:
         if self.backend == "nccl":
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
+
+
+def _mapped_from(half: PlanHalf, schedule: Schedule, in_process: frozenset[int]) -> dict[int, int]:
+    """Per peer in another process whose storages this rank copied from (mapped handoffs), the bytes."""
+    return {
+        peer: sum(s.numel * itemsize(half.tensors[s.tensor].target_dtype) for s in segments)
+        for peer, segments in schedule.handoff_from
+        if peer not in in_process
+    }
 
 
 def execute(

@@ -12,6 +12,7 @@ import torch
 
 from ..planning.half import PlanHalf
 from ..planning.records import Segment
+from .messages import segment_key
 from .p2p import Pending, Transport
 from .program import torch_dtype
 from .schedule import Schedule
@@ -78,9 +79,43 @@ class Handoffs:
 
     def take(self, half: PlanHalf, targets: Targets) -> None:
         """Copy every segment the peers that hand off to this rank hand over."""
+        if targets.streamed and len(self.schedule.handoff_from) > 1:
+            self._take_streamed(half, targets)
+            return
         for peer, handed in self.schedule.handoff_from:
             self.taken.add(peer)
             answer = copy_handoff(self.transport, peer, handed, half, targets)
+            if answer is not None:
+                self.answers.append(answer)
+
+    def _take_streamed(self, half: PlanHalf, targets: Targets) -> None:
+        """Streamed targets (a layer's loaded form exists only while it is written): take every peer's
+        storages first, then copy all peers' segments in plan order, so that each target completes (and is
+        rebuilt and freed) before the next one opens, as with messages."""
+        taken: list[tuple[int, Mapping[str, torch.Tensor]]] = []
+        try:
+            for peer, handed in self.schedule.handoff_from:
+                self.taken.add(peer)
+                names = handed_names(half, handed)
+                dtype_of = {half.tensors[s.tensor].name: half.tensors[s.tensor].source_dtype for s in handed}
+                dtypes = [torch_dtype(dtype_of[n]) for n in names]
+                taken.append((peer, self.transport.take(peer, names, dtypes)))
+            sources_of = dict(taken)
+            merged = sorted(
+                ((s, peer) for peer, handed in self.schedule.handoff_from for s in handed),
+                key=lambda e: segment_key(e[0]),
+            )
+            for s, peer in merged:
+                copy_segments((s,), half, sources_of[peer], targets)
+        except BaseException as e:
+            for peer, _ in taken:
+                why = f"rank {self.transport.rank} failed copying from rank {peer}'s storages: {e!r}"
+                answer = self.transport.finish(peer, why)
+                if answer is not None:
+                    self.answers.append(answer)
+            raise
+        for peer, _ in taken:
+            answer = self.transport.finish(peer)
             if answer is not None:
                 self.answers.append(answer)
 

@@ -70,6 +70,8 @@ class SyncStats:
     bytes_mapped: dict[int, int] = field(default_factory=dict)
     """Per same-host peer in another process that maps this rank's storages (``mapped``), the bytes (in the
     target's dtype) it copied straight from them (no message)."""
+    bytes_mapped_from: dict[int, int] = field(default_factory=dict)
+    """Per same-host peer whose storages this rank maps, the bytes (in the target's dtype) it copied from them."""
     bytes_pulled: dict[int, int] = field(default_factory=dict)
     """Of ``bytes_received``, per same-host peer, the bytes this rank pulled straight from its memory."""
     delta_base: int | None = None
@@ -98,6 +100,7 @@ class SyncStats:
             "seconds": dict(self.seconds),
             "bytes_handed": {str(k): v for k, v in self.bytes_handed.items()},
             "bytes_mapped": {str(k): v for k, v in self.bytes_mapped.items()},
+            "bytes_mapped_from": {str(k): v for k, v in self.bytes_mapped_from.items()},
             "bytes_pulled": {str(k): v for k, v in self.bytes_pulled.items()},
             "delta_base": self.delta_base,
             "elements_compared": self.elements_compared,
