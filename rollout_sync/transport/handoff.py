@@ -1,6 +1,7 @@
 """Copies straight from a sender's storages: a rank's local segments, and handoffs between ranks of one
 process (``in_process``) or of one host whose receiver maps the sender's storages (``mapped``), where the
-receiver copies each segment straight from the source storages its peer hands over. ``Handoffs`` is one transfer's handoffs: this rank's offers to the peers it sends to, its
+receiver copies each segment straight from the source storages its peer hands over. ``Handoffs`` is one
+transfer's handoffs: this rank's offers to the peers it sends to, its
 copies from those that send to it, and, when it fails first, its refusals of the rest (so that no sender
 waits for the timeout)."""
 
@@ -39,16 +40,22 @@ def handed_names(half: PlanHalf, segments: Iterable[Segment]) -> list[str]:
     return sorted({half.tensors[s.tensor].name for s in segments})
 
 
+def _take(
+    transport: Transport, peer: int, segments: tuple[Segment, ...], half: PlanHalf, provisional: bool
+) -> Mapping[str, torch.Tensor]:
+    """``transport.take`` of the source storages ``segments`` read, with their dtypes."""
+    names = handed_names(half, segments)
+    dtype_of = {half.tensors[s.tensor].name: half.tensors[s.tensor].source_dtype for s in segments}
+    return transport.take(peer, names, [torch_dtype(dtype_of[n]) for n in names], provisional)
+
+
 def copy_handoff(
     transport: Transport, peer: int, segments: tuple[Segment, ...], half: PlanHalf, targets: Targets
 ) -> Pending | None:
     """Copy ``segments`` straight from the source storages ``peer`` hands over (in this process, or mapped
     from its memory); returns the answer on the wire, if any."""
-    names = handed_names(half, segments)
-    dtype_of = {half.tensors[s.tensor].name: half.tensors[s.tensor].source_dtype for s in segments}
     # a streamed target is rebuilt as soon as it has landed: never from provisional sources
-    provisional = not targets.streamed
-    sources = transport.take(peer, names, [torch_dtype(dtype_of[n]) for n in names], provisional)
+    sources = _take(transport, peer, segments, half, provisional=not targets.streamed)
     try:
         copy_segments(segments, half, sources, targets)
         current = transport.confirm(peer)
@@ -96,10 +103,7 @@ class Handoffs:
         try:
             for peer, handed in self.schedule.handoff_from:
                 self.taken.add(peer)
-                names = handed_names(half, handed)
-                dtype_of = {half.tensors[s.tensor].name: half.tensors[s.tensor].source_dtype for s in handed}
-                dtypes = [torch_dtype(dtype_of[n]) for n in names]
-                taken.append((peer, self.transport.take(peer, names, dtypes)))
+                taken.append((peer, _take(self.transport, peer, handed, half, provisional=False)))
             sources_of = dict(taken)
             merged = sorted(
                 ((s, peer) for peer, handed in self.schedule.handoff_from for s in handed),
