@@ -8,10 +8,12 @@ rebinds ``param.data`` / ``ds_tensor``). The view then keeps the old memory aliv
 stale values, silently.
 
 ``BufferWatch`` remembers, per distinct buffer, how to fetch the tensor the engine holds in that place now
-and the buffer's identity when the views were cut (storage address, first element's address, element count,
-dtype). ``stale()`` compares them: a few attribute lookups per buffer, no collective. Since each view keeps
-its buffer's memory alive, a new buffer can never reuse the old address: equal addresses mean the same
-memory.
+and the buffer's identity when the views were cut (its storage object, first element's offset, element
+count, dtype). ``stale()`` compares them: a few attribute lookups per buffer, no collective. Since each view
+keeps its buffer's storage alive, a new buffer can never reuse the old storage object: the same storage means
+the same memory. The storage's *address* is not part of the identity: a same-host transport moves a storage
+into shared memory in place (``rollout_sync.transport.mapped``), which changes its address but not the
+storage every view and DeepSpeed itself hold.
 """
 
 from __future__ import annotations
@@ -27,20 +29,23 @@ __all__ = ["BufferStamp", "BufferWatch", "StaleBuffer", "stamp"]
 
 @dataclass(frozen=True, slots=True)
 class BufferStamp:
-    storage_ptr: int
-    data_ptr: int
+    storage: int  # the storage object (``UntypedStorage._cdata``), stable when moved into shared memory
+    offset: int  # the first element's offset in the storage, in elements
     numel: int
     dtype: torch.dtype
 
     def __str__(self) -> str:
-        return f"{self.numel} x {str(self.dtype).removeprefix('torch.')} at {self.data_ptr:#x}"
+        return (
+            f"{self.numel} x {str(self.dtype).removeprefix('torch.')} "
+            f"at offset {self.offset} of storage {self.storage:#x}"
+        )
 
 
 def stamp(t: Any) -> BufferStamp | None:
     """The identity of tensor ``t`` (None for anything that is not a tensor: a state that is gone)."""
     if not isinstance(t, torch.Tensor):
         return None
-    return BufferStamp(t.untyped_storage().data_ptr(), t.data_ptr(), t.numel(), t.dtype)
+    return BufferStamp(t.untyped_storage()._cdata, t.storage_offset(), t.numel(), t.dtype)
 
 
 @dataclass(frozen=True)
