@@ -45,7 +45,7 @@ def stamp(t: Any) -> BufferStamp | None:
     """The identity of tensor ``t`` (None for anything that is not a tensor: a state that is gone)."""
     if not isinstance(t, torch.Tensor):
         return None
-    return BufferStamp(t.untyped_storage()._cdata, t.storage_offset(), t.numel(), t.dtype)
+    return BufferStamp(t.untyped_storage()._cdata, int(t.storage_offset()), t.numel(), t.dtype)
 
 
 @dataclass(frozen=True)
