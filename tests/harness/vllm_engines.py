@@ -323,6 +323,8 @@ def start_vllm_engine(spec: VllmEngineSpec) -> VllmEngine:
         llm = LLM(**spec.llm_kwargs())
         startup_s = time.perf_counter() - started
         pids = frozenset(_descendants() - before)
+    if _restorable(spec):  # the test tools: the workaround for vLLM's AMX bug before anything generates
+        llm.collective_rpc("rs_harness_request_amx")
     kind = Path(spec.model).name
     timings.record(f"vLLM engine startup: {kind}, TP {spec.tensor_parallel_size}", startup_s)
     return VllmEngine(spec=spec, llm=llm, startup_s=startup_s, pids=pids)

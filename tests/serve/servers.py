@@ -21,24 +21,27 @@ from tests.harness.vllm_engines import REPO_ROOT, omp_threads_bind
 from vllm_plugin.http_driver import ServerEngine
 
 EXTENSION = "vllm_plugin.extension.RolloutSyncExtension"
+#: The product's extension plus the test tools (``tests.harness.vllm_ext``), for servers that need them.
+TEST_EXTENSION = "tests.harness.vllm_ext.TestWorkerExtension"
 
 
 WEIGHT_TRANSFER = ["--weight-transfer-config", '{"backend": "rollout_sync"}']
 
 
 def serve_command(
-    model: Path | str, port: int, tp: int = 1, extra: Sequence[str] = (), extension: bool = True
+    model: Path | str, port: int, tp: int = 1, extra: Sequence[str] = (), extension: str | None = EXTENSION
 ) -> list[str]:
     """The exact command the README documents (plus the test's small-memory settings); ``extra``: more
-    arguments for ``vllm serve`` (``WEIGHT_TRANSFER``); ``extension=False``: a server without
-    rollout-sync's worker extension (refusal tests)."""
+    arguments for ``vllm serve`` (``WEIGHT_TRANSFER``); ``extension``: the worker extension class
+    (``TEST_EXTENSION`` adds the test tools; None: a server without rollout-sync's worker extension, for
+    refusal tests)."""
     return [
         sys.executable,
         "-m",
         "rollout_sync.serve",
         "serve",
         str(model),
-        *(["--worker-extension-cls", EXTENSION] if extension else []),
+        *(["--worker-extension-cls", extension] if extension else []),
         "--host",
         "127.0.0.1",
         "--port",
@@ -66,6 +69,7 @@ class Server:
     proc: subprocess.Popen[bytes]
     log: Path
     log_file: IO[Any]
+    extension: str | None = EXTENSION
 
     def stop(self, timeout: float = 30.0) -> None:
         if self.proc.poll() is None:
@@ -102,7 +106,7 @@ def launch(
     name: str,
     tp: int = 1,
     extra: Sequence[str] = (),
-    extension: bool = True,
+    extension: str | None = EXTENSION,
 ) -> Server:
     port = free_port()
     env = dict(os.environ)
@@ -120,11 +124,14 @@ def launch(
         start_new_session=True,
         cwd=REPO_ROOT,
     )
-    return Server(ServerEngine(f"http://127.0.0.1:{port}", name=name, timeout=120.0), proc, log, log_file)
+    engine = ServerEngine(f"http://127.0.0.1:{port}", name=name, timeout=120.0)
+    return Server(engine, proc, log, log_file, extension)
 
 
 def wait_all(servers: list[Server], timeout: float = 300.0) -> list[float]:
-    """Wait until every server answers ``/health``; a server that exits first fails with its log's tail."""
+    """Wait until every server answers ``/health``; a server that exits first fails with its log's tail.
+    A server with the test tools then gets the harness's workaround for vLLM's AMX bug
+    (``TestWorkerExtension.rs_harness_request_amx``) before anything generates."""
     start = time.monotonic()
     waited = []
     for server in servers:
@@ -139,5 +146,7 @@ def wait_all(servers: list[Server], timeout: float = 300.0) -> list[float]:
                 if time.monotonic() - start > timeout:
                     raise
                 time.sleep(1.0)
+        if server.extension == TEST_EXTENSION:
+            server.engine.request("/collective_rpc", {"method": "rs_harness_request_amx"}, timeout=60.0)
         waited.append(time.monotonic() - start)
     return waited

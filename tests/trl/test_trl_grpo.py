@@ -38,10 +38,13 @@ def run_example(workdir: Path, zero: int, mode: str, *extra: str) -> dict:
 
 @contextlib.contextmanager
 def served(tmp_path_factory, model: Path, name: str, extension: bool = True):
-    from tests.serve.servers import launch, wait_all
+    """A TRL server mode ``vllm serve``; ``extension``: with rollout-sync's worker extension (the test
+    extension, a subclass that adds the harness's workaround for vLLM's AMX bug: this server runs at TP 1,
+    where a first prompt of a few tokens reaches AMX attention before any oneDNN AMX kernel)."""
+    from tests.serve.servers import TEST_EXTENSION, launch, wait_all
 
     logs = tmp_path_factory.mktemp(name)
-    srv = launch(model, logs, name, extra=TRL_SERVER_ARGS, extension=extension)
+    srv = launch(model, logs, name, extra=TRL_SERVER_ARGS, extension=TEST_EXTENSION if extension else None)
     try:
         wait_all([srv])
         yield srv
