@@ -65,6 +65,10 @@ def _dense_dispatch_refresh(layer: torch.nn.Module) -> Any:
     def refresh() -> None:
         from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
 
+        # Release the old packed copy before the new one is made: beside it, the rebuild would hold the
+        # layer's packed weight twice (measured: 311 MB more at the peak for Qwen3-0.6B's tied lm_head at
+        # TP 1). The layer keeps its plain weight, so the plain GEMM serves should the dispatch fail.
+        setattr(layer, "cpu_linear", torch.nn.functional.linear)  # noqa: B010 - not a tensor attribute
         dispatch_cpu_unquantized_gemm(layer, remove_weight=False)
 
     return refresh

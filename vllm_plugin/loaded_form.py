@@ -24,6 +24,14 @@ never calls a loader, so this module calls the per-layer steps those functions a
 (``restore_layer_on_meta``, ``materialize_layer``, ``_layerwise_process``, ``_place_kernel_tensors``) on
 the transformed layers only.
 
+**Kept loaded forms** (``keep``, for delta syncs): a delta sync writes only the elements that changed, so
+it needs the values the last sync wrote, which a streamed loaded form no longer holds (vLLM's processing
+consumed it; a packed or quantized form cannot in general be turned back into it). With ``keep(True)``
+every layer's loaded form lives on between syncs (allocated at the first update that writes it, zeros where
+no logical tensor lands), the executor writes into it like any storage, and when a layer is complete it is
+materialized, the kept loaded form is copied into it and vLLM's processing rebuilds the kernel's form. The
+cost is the memory of every transformed layer's loaded form (``kept_bytes``); ``keep(False)`` frees it.
+
 A layer that cannot be rebuilt is refused at setup, naming it and the reason: no recorded loaded form, no
 ``quant_method`` to run, or a loaded-form parameter no logical tensor fills (its processing would read
 elements the plan never delivers).
@@ -81,6 +89,16 @@ def transformed_layers(model: torch.nn.Module) -> dict[str, str]:
     return out
 
 
+def _drop_kernel_state(module: torch.nn.Module) -> None:
+    """Let go of a kernel's form that lives outside the layer's parameters before the rebuild makes the new
+    one, so that the two never coexist. vLLM's CPU GEMM dispatch keeps a packed linear weight (or a oneDNN
+    handle) in the closure ``cpu_linear``; the rebuild sets a new one (until then the layer holds its loaded
+    form, and no forward runs during an update). A kernel's form kept in the layer's own parameters (FP8,
+    Marlin on GPUs) is not touched: vLLM copies the rebuilt form into those tensors in place."""
+    if callable(getattr(module, "cpu_linear", None)):
+        setattr(module, "cpu_linear", torch.nn.functional.linear)  # noqa: B010 - not a tensor attribute
+
+
 @dataclass
 class _Layer:
     name: str
@@ -106,6 +124,8 @@ class LoadedForms:
         self.zero: dict[str, list[tuple[int, int]]] = {}
         self._bytes: dict[str, int] = {}
         self.open_layers: dict[str, dict[str, torch.Tensor]] = {}
+        self.keeping = False
+        self.kept: dict[str, dict[str, torch.Tensor]] = {}  # layer -> its loaded form, kept between syncs
         self.seconds = {"open": 0.0, "rebuild": 0.0}  # since the last ``reset_seconds``
         self.rebuilt = 0
 
@@ -122,6 +142,26 @@ class LoadedForms:
 
     def layer_of(self, param: str | None) -> str | None:
         return None if param is None else self.by_param.get(param)
+
+    def keep(self, on: bool) -> None:
+        """Keep every layer's loaded form between syncs (``on``: a delta sync writes into them), or free the
+        kept ones (``off``: each sync streams layers through memory). Not while an update has layers open."""
+        if self.open_layers:
+            raise RuntimeError(
+                f"cannot change how loaded forms are kept while {len(self.open_layers)} are open"
+            )
+        self.keeping = on
+        if not on:
+            self.kept.clear()
+
+    def kept_layer(self, layer: str) -> bool:
+        """Whether ``layer``'s loaded form is kept and holds what the last update wrote into it."""
+        return self.keeping and layer in self.kept
+
+    @property
+    def kept_bytes(self) -> int:
+        """The memory the kept loaded forms take."""
+        return sum(t.numel() * t.element_size() for ts in self.kept.values() for t in ts.values())
 
     def loaded_bytes(self, layer: str) -> int:
         """The memory ``layer``'s loaded form takes while it is open."""
@@ -202,9 +242,12 @@ class LoadedForms:
 
     def open(self, name: str) -> Mapping[str, torch.Tensor]:
         """Materialize layer ``name``'s loaded form (uncovered elements zeroed): full parameter name ->
-        tensor to write into."""
+        tensor to write into. When loaded forms are kept: the kept one (made now, zeros, if there is none)."""
         opened = self.open_layers.get(name)
         if opened is not None:
+            return opened
+        if self.keeping:
+            opened = self.open_layers[name] = self._kept(name)
             return opened
         layerwise = _reload()
         started = time.perf_counter()
@@ -234,10 +277,18 @@ class LoadedForms:
         layerwise = _reload()
         started = time.perf_counter()
         layer = self.layers[name]
-        self.open_layers.pop(name)
+        opened = self.open_layers.pop(name)
+        if self.keeping:  # still in its kernel's form: its loaded form is made from the kept one below
+            self._to_loaded_form(layer)
         info = layerwise.get_layerwise_info(layer.module)
         try:
             with torch.no_grad():
+                if self.keeping:
+                    layerwise.materialize_layer(layer.module, info)
+                    prefix = f"{name}." if name else ""
+                    for pname, kept in opened.items():
+                        getattr(layer.module, pname.removeprefix(prefix)).data.copy_(kept)
+                _drop_kernel_state(layer.module)
                 layerwise._layerwise_process(layer.module, info)
         except BaseException:
             self._to_kernel_form(layer)
@@ -250,5 +301,21 @@ class LoadedForms:
         names = list(self.open_layers)
         for name in names:
             self.open_layers.pop(name)
-            self._to_kernel_form(self.layers[name])
+            if not self.keeping:  # a kept loaded form was written beside the layer, which never left its form
+                self._to_kernel_form(self.layers[name])
         return names
+
+    def _kept(self, name: str) -> dict[str, torch.Tensor]:
+        """Layer ``name``'s kept loaded form, made (zeros) at its first use."""
+        kept = self.kept.get(name)
+        if kept is None:
+            layerwise = _reload()
+            info = layerwise.LAYERWISE_INFO[self.layers[name].module]
+            recorded = info.restore_metadata[0]
+            with info.restore_device:
+                kept = {
+                    p: torch.zeros(meta.shape, dtype=meta.dtype)
+                    for p, meta in zip(self.layers[name].params, recorded.values(), strict=True)
+                }
+            self.kept[name] = kept
+        return kept

@@ -78,10 +78,14 @@ def receive(worker: RolloutWorker, link: RolloutLink, *, open_update: bool = Tru
     """Receive one sync; returns a JSON-able report (version, seconds, bytes, derived copies rebuilt).
     With ``open_update=False`` the caller has already opened the update (vLLM's ``start_weight_update``)
     and will finish it (``finish_weight_update``)."""
-    session = worker.begin() if open_update else worker.session
     forms = worker.loaded_forms
     if forms is not None:
         forms.reset_seconds()
+        if not forms.open_layers:
+            # Delta syncs need the last sync's values: layers kept in another form then keep their loaded
+            # form between syncs (its memory, ``kept_bytes``); full syncs stream them through memory.
+            forms.keep(link.delta)
+    session = worker.begin() if open_update else worker.session
     if session is None:
         raise RuntimeError(f"rank {worker.rank}: no weight update is open (call start_weight_update first)")
     # A delta sync applies on the values the last sync left: not when something else wrote the weights
@@ -109,5 +113,9 @@ def receive(worker: RolloutWorker, link: RolloutLink, *, open_update: bool = Tru
         "refreshed": report.get("refreshed", []),
         "loaded_forms": None
         if forms is None
-        else {"rebuilt": forms.rebuilt, **{f"{k}_s": round(v, 4) for k, v in forms.seconds.items()}},
+        else {
+            "rebuilt": forms.rebuilt,
+            "kept_bytes": forms.kept_bytes,
+            **{f"{k}_s": round(v, 4) for k, v in forms.seconds.items()},
+        },
     }

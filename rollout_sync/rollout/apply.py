@@ -152,6 +152,15 @@ class TransientLayers(Protocol):
         """The memory ``layer``'s loaded form takes while it is open."""
         ...
 
+    @property
+    def keeping(self) -> bool:
+        """Whether loaded forms outlive an update (kept for delta syncs) instead of streaming through it."""
+        ...
+
+    def kept_layer(self, layer: str) -> bool:
+        """Whether ``layer``'s loaded form is kept and holds what the last update wrote into it."""
+        ...
+
 
 LoadedHook = Callable[[str, Mapping[str, torch.Tensor]], None]
 
@@ -198,14 +207,14 @@ class UpdateSession:
 
     def held_bytes(self) -> int:
         """The memory the open transient layers' loaded forms take now."""
-        if self.transient is None:
+        if self.transient is None or self.transient.keeping:
             return 0
         return sum(self.transient.loaded_bytes(layer) for layer in self.opened)
 
     def adds_bytes(self, name: str) -> int:
         """The memory opening ``name``'s storage would add now: its layer's loaded form unless open."""
         layer = self.layer_of.get(name)
-        if layer is None or layer in self.opened or self.transient is None:
+        if layer is None or layer in self.opened or self.transient is None or self.transient.keeping:
             return 0
         return self.transient.loaded_bytes(layer)
 
@@ -217,8 +226,9 @@ class UpdateSession:
         return max((self.transient.loaded_bytes(layer) for layer in self.layer_tensors), default=0)
 
     def streamed(self, name: str) -> bool:
-        """Whether ``name``'s storage exists only while it is written (a transient layer's)."""
-        return name in self.layer_of
+        """Whether ``name``'s storage exists only while it is written (a transient layer's loaded form,
+        unless loaded forms are kept)."""
+        return name in self.layer_of and self.transient is not None and not self.transient.keeping
 
     def placeholder(self, name: str) -> torch.Tensor:
         """A meta tensor with the shape and dtype of ``name``'s storage (checked before it exists)."""
@@ -254,13 +264,15 @@ class UpdateSession:
         return storage_tensor(self.params[view.param], view, tensor=name, rank=self.rank)
 
     def persistent(self, name: str) -> bool:
-        """Whether ``name`` is received straight into a parameter that outlives the update (not a staging
-        buffer, not a transient layer's loaded form): only then does it still hold the last update's values
-        when the next one starts (what a delta sync needs)."""
+        """Whether ``name`` is received straight into storage that outlives the update (a parameter or a
+        kept loaded form that already holds what the last update wrote; not a staging buffer, not a
+        streamed loaded form): only then does it hold the last update's values when the next one starts
+        (what a delta sync needs)."""
         view = self.views.get(name)
         if view is None or view.param is None:
             return False
-        return self.transient is None or name not in self.layer_of
+        layer = self.layer_of.get(name)
+        return layer is None or self.transient is None or self.transient.kept_layer(layer)
 
     def mark_written(self, name: str) -> None:
         """Every element of ``name`` on this rank was written; the last tensor of an open transient layer

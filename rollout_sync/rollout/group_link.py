@@ -83,6 +83,12 @@ class RolloutLink:
     def rank(self) -> int:
         return self.endpoint.rank
 
+    @property
+    def delta(self) -> bool:
+        """Whether this group's syncs after a committed one send only what changed (the trainer's choice,
+        told to every rank at the handshake)."""
+        return self.endpoint.executor.options.delta
+
     def forget_base(self) -> None:
         """The targets were written by something other than a sync, or do not outlive one: the next sync
         is a full one (a delta sync applies only on the values the last sync left)."""

@@ -99,14 +99,32 @@ def check_steps(run: E2ERun) -> None:
     assert run.steps[0].synced.digests != run.steps[-1].synced.digests, "training changed nothing"
 
 
-def fresh_engine_snapshot(pool: Any, checkpoint: Path, tp: int, **kwargs: Any) -> Snapshot:
+def fresh_engine_snapshot(
+    pool: Any, checkpoint: Path, tp: int, *, packed: bool = False, **kwargs: Any
+) -> Snapshot:
+    """Greedy tokens and digests of a fresh engine started from ``checkpoint`` (its linear layers packed
+    as ``pack`` does, with ``packed``)."""
     from tests.harness.vllm_engines import shared_spec
 
     fresh = pool.get(shared_spec(checkpoint, tp, **kwargs))
     try:
+        if packed:
+            pack(fresh)
         return snapshot(fresh)
     finally:
         pool.discard(fresh)
 
 
-__all__ = ["DEFAULT_PROMPTS", "E2ERun", "check_steps", "fresh_engine_snapshot", "run_sync_steps"]
+def pack(engine: Any) -> dict[str, int]:
+    """The engine's dense linear layers kept in another form than they were loaded (an empty weight, a
+    packed copy): by vLLM itself where this CPU packs (AVX-512/AMX), else by the contract stand-in
+    (``testbed.packing``), so the same code path runs on every CPU. The engine must be discarded after."""
+    before = engine.collective_rpc("rs_harness_packs")
+    if any(p["empty_weight"] == 0 for p in before):
+        engine.collective_rpc("rs_harness_pack_linears")
+    after = engine.collective_rpc("rs_harness_packs")
+    assert all(p["empty_weight"] == p["linears"] > 0 for p in after), after
+    return {"linears": after[0]["linears"], "packed_by_vllm": before[0]["empty_weight"]}
+
+
+__all__ = ["DEFAULT_PROMPTS", "E2ERun", "check_steps", "fresh_engine_snapshot", "pack", "run_sync_steps"]

@@ -1,9 +1,14 @@
 """Delta syncs end to end on CPU: a real DeepSpeed ZeRO-3 job (2 ranks, bf16, AdamW at lr 1e-5) and a real
-vLLM engine (TP 2), attached with ``delta=True``. The first sync is full; each later one applies on the last
-(every trainer rank and worker names the same base) and moves only the changed elements (a few percent at
-this learning rate), and the engine then holds exactly the trainer's weights: writing the trainer's own
-checkpoint changes no bit, and greedy tokens equal a fresh engine loaded from it. A weight update by other
-means (the checkpoint write) makes the next sync a full one, and it too lands bit for bit."""
+vLLM engine (TP 2) whose dense linear layers are kept in another form than they were loaded (packed by vLLM
+where this CPU packs, AVX-512/AMX; by the contract stand-in elsewhere), attached with ``delta=True``. Such
+layers keep their loaded form between syncs (``vllm_plugin.loaded_form``: kept loaded forms), which is what
+a delta applies on. The first sync is full; each later one applies on the last (every trainer rank and
+worker names the same base) and moves only the changed elements (a few percent at this learning rate), and
+the engine then holds exactly the trainer's weights: writing the trainer's own checkpoint changes no bit of
+any parameter nor of any layer's loaded form, and greedy tokens equal a fresh engine loaded from it and
+packed the same way. A weight update by other means (the checkpoint write) makes the next sync a full one,
+and it too lands bit for bit. (Delta syncs into parameters vLLM keeps as loaded: ``tests/serve`` on a CPU
+that keeps plain weights, and the executor tests.)"""
 
 from __future__ import annotations
 
@@ -15,7 +20,7 @@ import pytest
 from testbed.deepspeed import DeepSpeedSpec
 from testbed.rank_pool import RankPool, free_port
 from testbed.trainer_ranks import attach, setup, train_step
-from tests.e2e.e2e_steps import TOKEN, TRAINER_ENV, fresh_engine_snapshot, save_checkpoint
+from tests.e2e.e2e_steps import TOKEN, TRAINER_ENV, fresh_engine_snapshot, pack, save_checkpoint
 from tests.harness.vllm_engines import shared_spec
 from tests.vllm.rollout_checks import differing_params, snapshot
 from vllm_plugin.driver import apply_checkpoint, connect_engine, receive_sync, setup_engines
@@ -42,9 +47,11 @@ def test_delta_syncs_move_only_changed_weights_and_leave_the_engine_bit_exact(
     model = tiny_model("dense")
     engine = vllm_pool.get(shared_spec(model, 2))
     try:
+        packs = pack(engine)
         with RankPool(2, env=TRAINER_ENV, timeout=600) as pool:
             pool.call(setup, DeepSpeedSpec("dense", 3, lr=1e-5), str(model))
             setup_engines([engine], first_rank=2)
+            engine.collective_rpc("rollout_sync_record_loaded", args=(True,))
             address = f"tcp://127.0.0.1:{free_port()}"
             pending = pool.submit(attach, address, TOKEN, 1, 1, "balanced", TIMEOUT, None, True, True)
             connect_engine(engine, address, 0, token=TOKEN, timeout=TIMEOUT)
@@ -67,11 +74,17 @@ def test_delta_syncs_move_only_changed_weights_and_leave_the_engine_bit_exact(
                 assert 0 < changed < 0.2 * compared, (changed, compared)
                 assert moved < 0.2 * full_bytes, (moved, full_bytes)
                 assert all(s["delta_state_bytes"] > 0 for s in stats)
+            # Every packed layer keeps its loaded form (the delta's base): their memory is reported.
+            kept = [w["loaded_forms"]["kept_bytes"] for _, workers in steps for w in workers]
+            assert all(k > 0 for k in kept) and len(set(kept)) == 1, kept
             synced = snapshot(engine)
+            assert all(len(d) == packs["linears"] for d in synced.loaded), synced.loaded
             checkpoint = tmp_path / "step4"
             pool.call(save_checkpoint, str(checkpoint), str(model))
             apply_checkpoint([engine], str(checkpoint))
-            assert differing_params(synced, snapshot(engine)) == [], "the delta syncs missed an element"
+            written = snapshot(engine)
+            assert differing_params(synced, written) == [], "the delta syncs missed an element"
+            assert synced.loaded == written.loaded, "the delta syncs missed an element of a loaded form"
             # The checkpoint write was a weight update by other means: the next sync is full, and exact.
             trainer, workers = _step(pool, engine, 5)
             assert _bases(trainer, workers) == {None}
@@ -79,9 +92,10 @@ def test_delta_syncs_move_only_changed_weights_and_leave_the_engine_bit_exact(
             checkpoint = tmp_path / "step5"
             pool.call(save_checkpoint, str(checkpoint), str(model))
             apply_checkpoint([engine], str(checkpoint))
-            assert differing_params(synced, snapshot(engine)) == []
+            written = snapshot(engine)
+            assert differing_params(synced, written) == [] and synced.loaded == written.loaded
     finally:
-        vllm_pool.restore(engine)
-    fresh = fresh_engine_snapshot(vllm_pool, checkpoint, 2)
+        vllm_pool.discard(engine)  # packed
+    fresh = fresh_engine_snapshot(vllm_pool, checkpoint, 2, packed=True)
     assert synced.tokens == fresh.tokens
     assert differing_params(synced, fresh) == []

@@ -23,22 +23,12 @@ import pytest
 
 from rollout_sync.errors import IncompleteUpdateError, PeerFailedError
 from testbed.deepspeed import DeepSpeedSpec
-from tests.e2e.e2e_steps import check_steps, run_sync_steps
+from tests.e2e.e2e_steps import check_steps, pack, run_sync_steps
 from tests.harness.vllm_engines import LOGITS_KWARGS, shared_spec
 from tests.vllm.rollout_checks import builder_differences
 from vllm_plugin.driver import setup_engines
 
 pytestmark = [pytest.mark.vllm, pytest.mark.deepspeed]
-
-
-def pack(engine: Any) -> dict[str, int]:
-    """The engine's linear layers packed: by vLLM itself where this CPU packs, else by the stand-in."""
-    before = engine.collective_rpc("rs_harness_packs")
-    if any(p["empty_weight"] == 0 for p in before):
-        engine.collective_rpc("rs_harness_pack_linears")
-    after = engine.collective_rpc("rs_harness_packs")
-    assert all(p["empty_weight"] == p["linears"] > 0 for p in after), after
-    return {"linears": after[0]["linears"], "packed_by_vllm": before[0]["empty_weight"]}
 
 
 def test_zero3_syncs_into_packed_linear_layers_through_their_loaded_form(

@@ -132,9 +132,11 @@ class _Layers:
     """Transient layers for the session: ``qkv`` (q and k land in it) is made at open, its content kept at
     close (standing for the engine's rebuild)."""
 
-    def __init__(self) -> None:
+    def __init__(self, keeping: bool = False) -> None:
         self.events: list[str] = []
         self.rebuilt: dict[str, torch.Tensor] = {}
+        self.keeping = keeping
+        self.kept: set[str] = set()  # layers whose kept loaded form holds the last update's values
 
     def layer_of(self, param: str | None) -> str | None:
         return "attn.qkv" if param == "qkv" else None
@@ -152,6 +154,9 @@ class _Layers:
 
     def loaded_bytes(self, layer: str) -> int:
         return 64
+
+    def kept_layer(self, layer: str) -> bool:
+        return self.keeping and layer in self.kept
 
 
 def _transient_session(layers: _Layers, seen: list):
@@ -204,3 +209,22 @@ def test_a_transient_layer_written_in_part_is_dropped_and_the_update_refused():
     with pytest.raises(IncompleteUpdateError, match=r"attn\.qkv.*\['k'\]"):
         session.finish()
     assert layers.events == ["open attn.qkv", "discard"] and seen == []
+
+
+def test_kept_loaded_forms_are_written_like_storage_and_hold_the_base_only_once_written():
+    layers, seen = _Layers(keeping=True), []
+    session, _ = _transient_session(layers, seen)
+    # Kept loaded forms are real storage (no placeholder, no streaming window) ...
+    assert not session.streamed("q") and not session.streamed("k")
+    assert session.held_bytes() == 0 and session.adds_bytes("q") == 0
+    # ... but they hold no base before an update has written them: a delta sync cannot apply yet.
+    assert not session.persistent("q") and session.persistent("norm")
+    layers.kept.add("attn.qkv")
+    assert session.persistent("q") and session.persistent("k")
+    session.storage("q").fill_(1)
+    assert session.held_bytes() == 0  # kept, not transient
+    session.mark_written("q")
+    session.storage("k").fill_(2)
+    session.mark_written("k")
+    assert layers.events == ["open attn.qkv", "close attn.qkv"]  # rebuilt once complete, as when streamed
+    assert [layer for layer, _ in seen] == ["attn.qkv"]
