@@ -48,7 +48,7 @@ from .pulls import pulled_bytes
 from .same_host import SameHostPairs
 from .schedule import Schedule, message_offer, message_sizes
 from .shared_memory import SameHost
-from .staging import StagingArena
+from .staging import StagingArena, slots_room
 from .stats import ExecuteOptions, PhaseClock, SyncStats
 from .targets import Targets, TargetStream
 
@@ -157,7 +157,12 @@ class Executor:
             return f"rank {self.rank}: checking the local storages failed: {e!r}", None, 0
         if reason is not None:
             return reason, None, 0
-        wanted, too_small = message_offer(half, self.options.staging_cap_bytes, self.depth, self.in_process)
+        room = slots_room(self.options.staging_cap_bytes, targets, stream)
+        wanted, too_small = message_offer(half, room, self.depth, self.in_process)
+        if too_small is not None:
+            wanted, too_small = message_offer(
+                half, self.options.staging_cap_bytes, self.depth, self.in_process
+            )
         if too_small is not None:
             return f"rank {self.rank}: {too_small}", None, 0
         return None, device, wanted

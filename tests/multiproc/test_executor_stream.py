@@ -3,7 +3,8 @@
 form). Random planner plans on 2 and 4 ranks, under several staging caps: every target is opened once and
 closed once, and holds all of its elements (bit for bit against the oracle) when it is closed. Targets
 reached by direct messages never hold more than the staging cap at once (or one target, when one is larger).
-A meta placeholder without a stream is refused at the agreement."""
+The staging arena of a rank with streamed targets leaves room in the cap for one of them open and for what
+closing it may allocate. A meta placeholder without a stream is refused at the agreement."""
 
 from __future__ import annotations
 
@@ -34,8 +35,9 @@ OPTIONS = (
 class _Recorder:
     """Hands out the poisoned target storages on ``open``; checks each against the oracle on ``close``."""
 
-    def __init__(self, storages, buffers, expected) -> None:
+    def __init__(self, storages, buffers, expected, reserve: int = 0) -> None:
         self.storages, self.buffers, self.expected = storages, buffers, expected
+        self.reserve = reserve
         self.opened: list[str] = []
         self.closed: list[str] = []
         self.incomplete: list[str] = []
@@ -53,7 +55,7 @@ class _Recorder:
         return sum(self.held.values())
 
     def reserve_bytes(self) -> int:
-        return 0
+        return self.reserve
 
     def adds_bytes(self, name: str) -> int:
         t = self.storages[name]
@@ -153,3 +155,41 @@ def test_streamed_direct_messages_hold_at_most_the_cap_or_one_target(tensors_in_
     _, got = run_on_ranks(_bounded, 2, tensors_in_cap * size, timeout=120)
     assert got["incomplete"] == [] and got["closed"] == 24
     assert got["peak"] == tensors_in_cap * size, got  # never more, and the window is used
+
+
+def _transposed(rank: int, world: int, group, cap: int, reserve: int) -> dict:
+    """Rank 0 sends 32 tensors [128, 128] float32 (2 MiB); rank 1 stores each transposed (packed messages through its
+    staging arena) and streams them, with ``reserve`` bytes asked for closing one."""
+    n = 128
+    names = [f"t{i}" for i in range(32)]
+
+    def whole(name: str, r: int, strides: tuple[int, int]) -> TensorMap:
+        piece = Piece(Box((0, 0), (n, n)), 0, strides, (r,))
+        return TensorMap(name, (n, n), "float32", {r: RankStorage((n, n), (piece,))})
+
+    plan = plan_model([whole(x, 0, (n, 1)) for x in names], [whole(x, 1, (1, n)) for x in names])
+    half = plan.half(rank)
+    executor = Executor(group, ExecuteOptions(staging_cap_bytes=cap, timeout=30))
+    full = {x: torch.arange(n * n, dtype=torch.float32).view(n, n) + i for i, x in enumerate(names)}
+    if rank == 0:
+        stats = executor.execute(half, full, {})
+        return {"arena": stats.peak_staging_bytes}
+    storages = {x: torch.full((n, n), float("nan")) for x in names}
+    expected = {x: full[x].t().contiguous() for x in names}
+    stream = _Recorder(storages, storages, expected, reserve)
+    placeholders = {x: torch.empty((n, n), device="meta") for x in names}
+    stats = executor.execute(half, {}, placeholders, stream=stream)
+    wrong = [x for x in names if not torch.equal(storages[x], expected[x])]
+    return {"arena": stats.peak_staging_bytes, "wrong": wrong, "incomplete": stream.incomplete}
+
+
+def test_the_staging_arena_of_a_streaming_rank_leaves_room_for_one_target_and_its_closing():
+    cap, target = 1 << 20, 128 * 128 * 4
+    for reserve in (0, target):
+        sender, receiver = run_on_ranks(_transposed, 2, cap, reserve, timeout=120)
+        assert receiver["wrong"] == [] and receiver["incomplete"] == [], receiver
+        assert 0 < receiver["arena"] <= cap - 2 * reserve, (reserve, receiver)
+        assert sender["arena"] > 0
+    # a reserve that leaves the slots too little: they take the whole cap, the stream comes on top
+    _, receiver = run_on_ranks(_transposed, 2, cap, cap, timeout=120)
+    assert receiver["wrong"] == [] and 0 < receiver["arena"] <= cap, receiver
