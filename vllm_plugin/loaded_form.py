@@ -51,6 +51,8 @@ from rollout_sync.errors import UnsupportedLayoutError
 from rollout_sync.rollout.apply import covered_ranges, uncovered_ranges
 from rollout_sync.rollout.storage_view import StorageView
 
+from .layer_memory import LayerMemory
+
 __all__ = ["LoadedForms", "transformed_layers"]
 
 
@@ -126,12 +128,16 @@ class LoadedForms:
         self.open_layers: dict[str, dict[str, torch.Tensor]] = {}
         self.keeping = False
         self.kept: dict[str, dict[str, torch.Tensor]] = {}  # layer -> its loaded form, kept between syncs
+        self.memory = LayerMemory()  # where loaded forms live while open (pooled buffers)
         self.seconds = {"open": 0.0, "rebuild": 0.0}  # since the last ``reset_seconds``
         self.rebuilt = 0
 
     def reset_seconds(self) -> None:
+        """Before an update: its counters from zero (and buffers of the last one taken back)."""
         self.seconds = {"open": 0.0, "rebuild": 0.0}
         self.rebuilt = 0
+        if not self.open_layers:
+            self.memory.settle(forget_busy=True)
 
     @classmethod
     def find(cls, model: torch.nn.Module) -> LoadedForms:
@@ -171,6 +177,24 @@ class LoadedForms:
             recorded = layerwise.LAYERWISE_INFO[self.layers[layer].module].restore_metadata[0]
             size = self._bytes[layer] = sum(t.numel() * t.element_size() for t in recorded.values())
         return size
+
+    def _info(self, layer: str) -> Any:
+        return _reload().LAYERWISE_INFO[self.layers[layer].module]
+
+    def held_bytes(self) -> int:
+        """The memory the loaded forms hold now (open ones, and buffers kept for the next layers)."""
+        return self.memory.held_bytes
+
+    def adds_bytes(self, layer: str) -> int:
+        """The memory opening ``layer`` would allocate now (0 where kept buffers serve it)."""
+        return self.memory.adds_bytes(layer, self._info(layer))
+
+    def room_bytes(self) -> int:
+        """Beside the staging slots: the buffers the loaded forms keep with one layer open (one per distinct
+        size of their tensors) and the largest loaded form, for what a rebuild allocates."""
+        sizes = {size for layer in self.layers for size in self.memory.sizes(layer, self._info(layer))}
+        largest = max((self.loaded_bytes(layer) for layer in self.layers), default=0)
+        return sum(n for n, _ in sizes) + largest
 
     # ---------------------------------------------------------------------------------------- setup
 
@@ -255,9 +279,10 @@ class LoadedForms:
         self._to_loaded_form(layer)
         info = layerwise.get_layerwise_info(layer.module)
         try:
-            layerwise.materialize_layer(layer.module, info)
+            self.memory.materialize(name, layer.module, info)
         except BaseException:
             self._to_kernel_form(layer)
+            self.memory.release(name)
             raise
         prefix = f"{name}." if name else ""
         tensors = {p: getattr(layer.module, p.removeprefix(prefix)) for p in layer.params}
@@ -284,7 +309,7 @@ class LoadedForms:
         try:
             with torch.no_grad():
                 if self.keeping:
-                    layerwise.materialize_layer(layer.module, info)
+                    self.memory.materialize(name, layer.module, info)
                     prefix = f"{name}." if name else ""
                     for pname, kept in opened.items():
                         getattr(layer.module, pname.removeprefix(prefix)).data.copy_(kept)
@@ -293,6 +318,9 @@ class LoadedForms:
         except BaseException:
             self._to_kernel_form(layer)
             raise
+        finally:
+            del opened
+            self.memory.release(name)
         self.seconds["rebuild"] += time.perf_counter() - started
         self.rebuilt += 1
 
@@ -303,6 +331,7 @@ class LoadedForms:
             self.open_layers.pop(name)
             if not self.keeping:  # a kept loaded form was written beside the layer, which never left its form
                 self._to_kernel_form(self.layers[name])
+            self.memory.release(name)
         return names
 
     def _kept(self, name: str) -> dict[str, torch.Tensor]:

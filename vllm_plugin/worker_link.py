@@ -48,6 +48,9 @@ class _SessionStream:
     def reserve_bytes(self) -> int:
         return self.session.reserve_bytes()
 
+    def room_bytes(self) -> int:
+        return self.session.room_bytes()
+
 
 def connect(
     worker: RolloutWorker,
@@ -106,6 +109,8 @@ def receive(worker: RolloutWorker, link: RolloutLink, *, open_update: bool = Tru
     except BaseException:
         worker.abort()
         raise
+    if forms is not None:
+        forms.memory.settle()  # the rebuilt layers' buffers back in the pool: what it keeps until the next
     return {
         **link.status(),
         "seconds": result.seconds,
@@ -116,6 +121,7 @@ def receive(worker: RolloutWorker, link: RolloutLink, *, open_update: bool = Tru
         else {
             "rebuilt": forms.rebuilt,
             "kept_bytes": forms.kept_bytes,
+            "pool_bytes": forms.held_bytes(),  # buffers loaded forms are written into, kept between syncs
             **{f"{k}_s": round(v, 4) for k, v in forms.seconds.items()},
         },
     }

@@ -121,6 +121,9 @@ def method_summary(
         "all_seconds": [round(s, 4) for s in seconds],
         "trainer_extra_bytes": max(int(r["extra_bytes"]) + _staging(r) for sync in trainer for r in sync),
         "rollout_extra_bytes": max(int(r["extra_bytes"]) + _staging(r) for sync in workers for r in sync),
+        "rollout_extra_all_bytes": [
+            max(int(r["extra_bytes"]) + _staging(r) for r in sync) for sync in workers
+        ],
         "trainer_staging_bytes": max(_staging(r) for sync in trainer for r in sync),
         "rollout_staging_bytes": max(_staging(r) for sync in workers for r in sync),
         "bytes_moved": max(sum(int(r["bytes_sent"]) for r in sync) for sync in trainer),
@@ -129,10 +132,12 @@ def method_summary(
 
 
 def _staging(report: Mapping[str, Any]) -> int:
-    """The staging a rank holds across syncs, from its sync report (0 for the baseline, which has none)."""
+    """The staging a rank holds across syncs, from its sync report (0 for the baseline, which has none),
+    with, on a worker that writes loaded forms, the buffers they are written into (kept between syncs)."""
     if "peak_staging_bytes" in report:
         return int(report["peak_staging_bytes"])
-    return int((report.get("stats") or {}).get("peak_staging_bytes", 0))
+    pool = int((report.get("loaded_forms") or {}).get("pool_bytes", 0))
+    return int((report.get("stats") or {}).get("peak_staging_bytes", 0)) + pool
 
 
 def _phases(reports: Sequence[Mapping[str, Any]]) -> dict[str, float]:
@@ -164,6 +169,8 @@ def assemble_row(
         row[f"{name}_rollout_extra_bytes"] = int(m["rollout_extra_bytes"])
         row[f"{name}_bytes_moved"] = int(m["bytes_moved"])
         row[f"{name}_all_s"] = list(m["all_seconds"])
+        if "rollout_extra_all_bytes" in m:  # per measured sync, the largest worker's
+            row[f"{name}_rollout_extra_all_bytes"] = list(m["rollout_extra_all_bytes"])
         if m.get("rollout_phase_s"):
             row[f"{name}_rollout_phase_s"] = dict(m["rollout_phase_s"])
     row["bitwise_equal"] = bool(ours_equal)
@@ -596,6 +603,7 @@ def run_row(
     row["ours_same_host_all_s"] = list(same_host["all_seconds"])
     row["ours_same_host_trainer_extra_bytes"] = int(same_host["trainer_extra_bytes"])
     row["ours_same_host_rollout_extra_bytes"] = int(same_host["rollout_extra_bytes"])
+    row["ours_same_host_rollout_extra_all_bytes"] = list(same_host["rollout_extra_all_bytes"])
     row["ours_same_host_staging_bytes"] = max(
         int(same_host["trainer_staging_bytes"]), int(same_host["rollout_staging_bytes"])
     )

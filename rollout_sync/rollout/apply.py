@@ -152,6 +152,19 @@ class TransientLayers(Protocol):
         """The memory ``layer``'s loaded form takes while it is open."""
         ...
 
+    def held_bytes(self) -> int:
+        """The memory the layers' loaded forms hold now: those open, and what is kept to be reused."""
+        ...
+
+    def adds_bytes(self, layer: str) -> int:
+        """The memory opening ``layer`` would add now (0 where kept memory serves it)."""
+        ...
+
+    def room_bytes(self) -> int:
+        """The memory to leave for the loaded forms beside the staging slots: what they hold with one layer
+        open, and what a rebuild may allocate."""
+        ...
+
     @property
     def keeping(self) -> bool:
         """Whether loaded forms outlive an update (kept for delta syncs) instead of streaming through it."""
@@ -206,17 +219,24 @@ class UpdateSession:
         self.rebuilt: list[str] = []
 
     def held_bytes(self) -> int:
-        """The memory the open transient layers' loaded forms take now."""
+        """The memory the transient layers' loaded forms hold now (open, or kept to be reused)."""
         if self.transient is None or self.transient.keeping:
             return 0
-        return sum(self.transient.loaded_bytes(layer) for layer in self.opened)
+        return self.transient.held_bytes()
 
     def adds_bytes(self, name: str) -> int:
-        """The memory opening ``name``'s storage would add now: its layer's loaded form unless open."""
+        """The memory opening ``name``'s storage would add now: its layer's loaded form unless open (or
+        served by memory the layers keep)."""
         layer = self.layer_of.get(name)
         if layer is None or layer in self.opened or self.transient is None or self.transient.keeping:
             return 0
-        return self.transient.loaded_bytes(layer)
+        return self.transient.adds_bytes(layer)
+
+    def room_bytes(self) -> int:
+        """The memory to leave for the transient layers beside the staging slots (none when kept)."""
+        if self.transient is None or self.transient.keeping or not self.layer_tensors:
+            return 0
+        return self.transient.room_bytes()
 
     def reserve_bytes(self) -> int:
         """Memory a rebuild may allocate beside the open loaded forms: the largest loaded form (a kernel's

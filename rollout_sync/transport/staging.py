@@ -17,11 +17,12 @@ __all__ = ["StagingArena", "slots_room"]
 def slots_room(cap_bytes: int, targets: Mapping[str, torch.Tensor], stream: TargetStream | None) -> int:
     """The part of the staging cap a rank's pack and unpack slots may take. Streamed targets (loaded forms
     of layers vLLM keeps in another form, given as meta tensors) share the cap with the slots: room is left
-    for one of them open and for what closing it may allocate (``reserve_bytes`` each). Where that leaves the
-    slots too little, the caller offers from the whole cap and the stream comes on top of it."""
+    for what the stream holds with one of them made and for what closing it may allocate
+    (``TargetStream.room_bytes``). Where that leaves the slots too little, the caller offers from the whole
+    cap and the stream comes on top of it."""
     if stream is None or not any(isinstance(t, torch.Tensor) and t.is_meta for t in targets.values()):
         return cap_bytes
-    return max(cap_bytes - 2 * stream.reserve_bytes(), 0)
+    return max(cap_bytes - stream.room_bytes(), 0)
 
 
 class StagingArena:

@@ -37,6 +37,11 @@ class TargetStream(Protocol):
         """Memory to leave free beside what the stream holds (what closing a target may allocate)."""
         ...
 
+    def room_bytes(self) -> int:
+        """Memory the stream needs within the staging cap beside the slots: what it holds with one target
+        made, and what closing it may allocate."""
+        ...
+
 
 class Targets:
     """This rank's target storages during one transfer: the given tensors, and the streamed ones (given as

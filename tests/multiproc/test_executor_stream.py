@@ -57,6 +57,9 @@ class _Recorder:
     def reserve_bytes(self) -> int:
         return self.reserve
 
+    def room_bytes(self) -> int:  # one target made (at most ``reserve``) and what closing it allocates
+        return 2 * self.reserve
+
     def adds_bytes(self, name: str) -> int:
         t = self.storages[name]
         return 0 if name in self.held else t.numel() * t.element_size()

@@ -158,6 +158,15 @@ class _Layers:
     def kept_layer(self, layer: str) -> bool:
         return self.keeping and layer in self.kept
 
+    def held_bytes(self) -> int:
+        return 64 * (self.events.count("open attn.qkv") - self.events.count("close attn.qkv"))
+
+    def adds_bytes(self, layer: str) -> int:
+        return 64
+
+    def room_bytes(self) -> int:
+        return 128
+
 
 def _transient_session(layers: _Layers, seen: list):
     views = {
@@ -186,6 +195,7 @@ def test_a_transient_layer_is_made_at_its_first_tensor_and_rebuilt_after_its_las
     placeholder = session.placeholder("q")
     assert placeholder.is_meta and placeholder.shape == (2, 4) and placeholder.dtype == torch.float32
     assert session.held_bytes() == 0 and session.adds_bytes("q") == 64 and session.adds_bytes("norm") == 0
+    assert session.room_bytes() == 128
     session.storage("q").fill_(1)
     assert session.held_bytes() == 64 and session.adds_bytes("k") == 0  # k's layer is open already
     session.mark_written("q")
@@ -216,7 +226,7 @@ def test_kept_loaded_forms_are_written_like_storage_and_hold_the_base_only_once_
     session, _ = _transient_session(layers, seen)
     # Kept loaded forms are real storage (no placeholder, no streaming window) ...
     assert not session.streamed("q") and not session.streamed("k")
-    assert session.held_bytes() == 0 and session.adds_bytes("q") == 0
+    assert session.held_bytes() == 0 and session.adds_bytes("q") == 0 and session.room_bytes() == 0
     # ... but they hold no base before an update has written them: a delta sync cannot apply yet.
     assert not session.persistent("q") and session.persistent("norm")
     layers.kept.add("attn.qkv")
