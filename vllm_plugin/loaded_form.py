@@ -131,11 +131,15 @@ class LoadedForms:
         self.memory = LayerMemory()  # where loaded forms live while open (pooled buffers)
         self.seconds = {"open": 0.0, "rebuild": 0.0}  # since the last ``reset_seconds``
         self.rebuilt = 0
+        self.peak_open = 0  # most layers open at once since the last ``reset_seconds``
+        self.peak_held_bytes = 0  # most memory the loaded forms held at once, since then
 
     def reset_seconds(self) -> None:
         """Before an update: its counters from zero (and buffers of the last one taken back)."""
         self.seconds = {"open": 0.0, "rebuild": 0.0}
         self.rebuilt = 0
+        self.peak_open = 0
+        self.peak_held_bytes = 0
         if not self.open_layers:
             self.memory.settle(forget_busy=True)
 
@@ -293,6 +297,8 @@ class LoadedForms:
                     flat[start:stop].zero_()
         opened = {p: t.data for p, t in tensors.items()}
         self.open_layers[name] = opened
+        self.peak_open = max(self.peak_open, len(self.open_layers))
+        self.peak_held_bytes = max(self.peak_held_bytes, self.memory.held_bytes)
         self.seconds["open"] += time.perf_counter() - started
         return opened
 

@@ -122,6 +122,8 @@ def receive(worker: RolloutWorker, link: RolloutLink, *, open_update: bool = Tru
             "rebuilt": forms.rebuilt,
             "kept_bytes": forms.kept_bytes,
             "pool_bytes": forms.held_bytes(),  # buffers loaded forms are written into, kept between syncs
+            "peak_open_layers": forms.peak_open,
+            "peak_pool_bytes": forms.peak_held_bytes,
             **{f"{k}_s": round(v, 4) for k, v in forms.seconds.items()},
         },
     }

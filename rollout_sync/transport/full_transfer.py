@@ -31,7 +31,7 @@ from ..planning.half import PlanHalf
 from .handoff import Handoffs, copy_segments
 from .messages import Message
 from .p2p import Op, Pending, Transport
-from .program import PartProgram, Program, pack, unpack, view
+from .program import PartProgram, Program, pack, unpack, unpack_by_tensor, view
 from .pulls import Pulls
 from .same_host import SameHostPairs
 from .shared_memory import SIGNAL_ONLY, SharedSegments
@@ -208,8 +208,12 @@ class FullTransfer:
             t = time.perf_counter()
             transport.wait(self.pending_recv.pop(r, []))
             t = clock.add("wait", t)
-            for m, parts in self.program.receives.get(r, ()):
-                unpack(self._slot("recv", m), parts, targets)
+            received = self.program.receives.get(r, ())
+            if targets.streamed:  # each loaded form closes at the round's last part of it
+                unpack_by_tensor([(self._slot("recv", m), parts) for m, parts in received], targets)
+            for m, parts in received:
+                if not targets.streamed:
+                    unpack(self._slot("recv", m), parts, targets)
                 ack = transport.consumed(m.peer, m.tag, f"round {r}")
                 if ack is not None:
                     self.acks.append(ack)

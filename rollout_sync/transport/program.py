@@ -4,7 +4,7 @@ cache of the program of its last half (``ProgramCache``)."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -19,7 +19,17 @@ from .schedule import Schedule, build_schedule
 if TYPE_CHECKING:
     from .targets import Targets
 
-__all__ = ["PartProgram", "Program", "ProgramCache", "compile_program", "pack", "payload", "unpack", "view"]
+__all__ = [
+    "PartProgram",
+    "Program",
+    "ProgramCache",
+    "compile_program",
+    "pack",
+    "payload",
+    "unpack",
+    "unpack_by_tensor",
+    "view",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,6 +146,30 @@ def unpack(buf: torch.Tensor, parts: tuple[PartProgram, ...], targets: Targets) 
                 n *= e
             view(storage, c).copy_(typed[c.buffer_offset : c.buffer_offset + n].view(c.extent))
         targets.landed(p.name)
+
+
+def unpack_by_tensor(
+    messages: Sequence[tuple[torch.Tensor, tuple[PartProgram, ...]]], targets: Targets
+) -> None:
+    """Unpack one round's messages (each a buffer and its parts) tensor by tensor across them: every part of
+    a tensor in the round lands before the next tensor's first, taken in the order the messages reach them
+    (a tensor's place: the smallest share of a message that comes before it). For streamed targets (loaded
+    forms): peers whose rounds carry halves of the same layers (ZeRO-3 partitions, balanced replicas) would
+    otherwise open every layer of a message at once, the next peer's message closing them; this way each
+    closes as soon as the round's last part of it has landed."""
+    place: dict[str, float] = {}
+    for _, parts in messages:
+        for i, p in enumerate(parts):
+            share = i / len(parts)
+            if share < place.get(p.name, 2.0):
+                place[p.name] = share
+    by_tensor: dict[str, list[tuple[torch.Tensor, PartProgram]]] = {}
+    for buf, parts in messages:
+        for p in parts:
+            by_tensor.setdefault(p.name, []).append((buf, p))
+    for name in sorted(by_tensor, key=place.__getitem__):
+        for buf, p in by_tensor[name]:
+            unpack(buf, (p,), targets)
 
 
 class ProgramCache:

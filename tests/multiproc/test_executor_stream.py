@@ -4,7 +4,9 @@ form). Random planner plans on 2 and 4 ranks, under several staging caps: every 
 closed once, and holds all of its elements (bit for bit against the oracle) when it is closed. Targets
 reached by direct messages never hold more than the staging cap at once (or one target, when one is larger).
 The staging arena of a rank with streamed targets leaves room in the cap for one of them open and for what
-closing it may allocate. A meta placeholder without a stream is refused at the agreement."""
+closing it may allocate. Where two senders each send half of the same targets in a round (ZeRO-3 partitions,
+balanced replicas), the receiver closes each before it opens the next. A meta placeholder without a stream is
+refused at the agreement."""
 
 from __future__ import annotations
 
@@ -196,3 +198,62 @@ def test_the_staging_arena_of_a_streaming_rank_leaves_room_for_one_target_and_it
     # a reserve that leaves the slots too little: they take the whole cap, the stream comes on top
     _, receiver = run_on_ranks(_transposed, 2, cap, cap, timeout=120)
     assert receiver["wrong"] == [] and 0 < receiver["arena"] <= cap, receiver
+
+
+class _OpenCounter(_Recorder):
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.peak_open = 0
+
+    def open(self, name: str) -> torch.Tensor:
+        t = super().open(name)
+        self.peak_open = max(self.peak_open, len(self.held))
+        return t
+
+
+def _halves(rank: int, world: int, group, cap: int) -> dict:
+    """Ranks 0 and 1 each hold half the rows of 16 tensors [128, 128] float32 (as ZeRO-3 partitions or
+    balanced replicas split them); rank 2 stores each transposed (packed messages from both) and streams
+    them."""
+    n, half_rows = 128, 64
+    names = [f"t{i:02d}" for i in range(16)]
+
+    def sources(name: str) -> TensorMap:
+        storages = {
+            r: RankStorage((half_rows, n), (Piece(Box((r * half_rows, 0), (half_rows, n)), 0, (n, 1), (r,)),))
+            for r in (0, 1)
+        }
+        return TensorMap(name, (n, n), "float32", storages)
+
+    def target(name: str) -> TensorMap:
+        piece = Piece(Box((0, 0), (n, n)), 0, (1, n), (2,))
+        return TensorMap(name, (n, n), "float32", {2: RankStorage((n, n), (piece,))})
+
+    plan = plan_model([sources(x) for x in names], [target(x) for x in names])
+    half = plan.half(rank)
+    executor = Executor(group, ExecuteOptions(staging_cap_bytes=cap, timeout=30))
+    full = {x: torch.arange(n * n, dtype=torch.float32).view(n, n) + i for i, x in enumerate(names)}
+    if rank < 2:
+        rows = slice(rank * half_rows, (rank + 1) * half_rows)
+        executor.execute(half, {x: full[x][rows].contiguous() for x in names}, {})
+        return {}
+    storages = {x: torch.full((n, n), float("nan")) for x in names}
+    expected = {x: full[x].t().contiguous() for x in names}
+    stream = _OpenCounter(storages, storages, expected)
+    placeholders = {x: torch.empty((n, n), device="meta") for x in names}
+    stats = executor.execute(half, {}, placeholders, stream=stream)
+    wrong = [x for x in names if not torch.equal(storages[x], expected[x])]
+    return {
+        "wrong": wrong,
+        "incomplete": stream.incomplete,
+        "peak_open": stream.peak_open,
+        "rounds": stats.rounds,
+    }
+
+
+def test_a_round_from_peers_holding_halves_of_the_same_targets_closes_each_before_opening_the_next():
+    # 1 MiB of staging: each round's message from each sender carries the halves of several tensors
+    _, _, receiver = run_on_ranks(_halves, 3, 1 << 20, timeout=120)
+    assert receiver["wrong"] == [] and receiver["incomplete"] == [], receiver
+    assert receiver["rounds"] >= 2, receiver
+    assert receiver["peak_open"] == 1, receiver  # unpacked message by message, it would open all of them
