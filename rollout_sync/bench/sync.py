@@ -55,7 +55,10 @@ Last line with ``--json``: ``{"rows": [{"trainer", "ours_s", "baseline_s", "ours
 "same_host_bitwise_equal", "delta_rows": [{"changed_fraction", "ours_delta_s", "delta_bytes_moved",
 "bitwise_equal"}], "delta_state_bytes", "full_s", ...}]}`` (``delta_bytes_moved``: what the trainer ranks
 sent in one delta sync, heads included; ``delta_state_bytes``: the largest trainer rank's shadow). Ours' extra-memory figures include the staging each rank holds across
-syncs (``ours_staging_bytes``: the largest, on either side), not only what a measured sync newly touched.
+syncs (``ours_staging_bytes``: the largest, on either side; on a worker that writes loaded forms, with the
+pool of buffers they are written into), not only what a measured sync newly touched. Per measured sync:
+``*_all_s`` (seconds) and ``*_rollout_extra_all_bytes`` (the largest worker's extra bytes);
+``ours_rollout_phase_s``: the slowest worker's receive by phase in the last measured sync.
 
 Measured (2026-11-30, 2 cores, load 3-6, 1 warm-up and 3 measured syncs per method): zero3 ours 0.533 s
 against 4.304 s (8.07x), trainer extra 12 KB against 622 MB, worker extra 8 KB against 311 MB, 1.19 GB moved

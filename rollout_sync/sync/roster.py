@@ -14,11 +14,13 @@ from __future__ import annotations
 import os
 import re
 import socket
+import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 __all__ = [
+    "GRACE_S",
     "RosterEntry",
     "blame",
     "decode_roster",
@@ -151,23 +153,37 @@ def _ranks(ranks: set[int]) -> str:
     return ("global rank " if len(ranks) == 1 else "global ranks ") + ", ".join(str(r) for r in sorted(ranks))
 
 
+GRACE_S = 3.0
+"""How long a failure that names no peer waits for a local peer's process to be gone: a peer being killed
+resets its connections before the kernel has reaped it (a killed server's workers exit one after another)."""
+
+
 def blame(
     text: str,
     me: int,
     roster: Mapping[int, RosterEntry],
     gone: Callable[[int], bool] = process_gone,
     host: str | None = None,
+    grace: float = GRACE_S,
+    clock: Callable[[], float] = time.monotonic,
+    sleep: Callable[[float], None] = time.sleep,
 ) -> str:
     """A sentence naming the peers a failure of rank ``me`` is to blame on (see the module doc); empty
     without a roster. ``text``: the failure's message; ``gone(pid)``: whether a local process exited. An
     engine is named whole, whichever of its workers the evidence points at (when a server is killed, its
     workers exit one after another: the first failure may see one of them gone), followed by that
-    evidence."""
+    evidence. Where the error names no peer and no local peer is gone yet, it looks again for up to
+    ``grace`` seconds."""
     if not roster:
         return ""
     host = socket.gethostname() if host is None else host
     named = {r for r in _named_ranks(text, me) if r in roster}
-    dead = {r for r, e in roster.items() if r != me and e.host == host and e.pid > 0 and gone(e.pid)}
+    local = {r: e.pid for r, e in roster.items() if r != me and e.host == host and e.pid > 0}
+    dead = {r for r, pid in local.items() if gone(pid)}
+    deadline = clock() + grace
+    while not dead and not named and local and clock() < deadline:
+        sleep(0.05)
+        dead = {r for r, pid in local.items() if gone(pid)}
     if dead:
         return f"failed peer(s): {_engines(roster, sorted(dead))} (process gone: {_ranks(dead)})"
     if named:
