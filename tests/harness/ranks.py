@@ -127,6 +127,15 @@ def _collect(
     deadline = time.monotonic() + timeout
     open_readers = dict(readers)
     sentinels = {p.sentinel: rank for rank, p in enumerate(procs)}
+
+    def died(rank: int) -> None:
+        nonlocal deadline
+        done.add(rank)
+        if rank not in may_die:
+            code = procs[rank].exitcode
+            failures[rank] = (f"rank {rank} died without reporting (exit code {code})", None)
+            deadline = min(deadline, time.monotonic() + _GRACE_AFTER_FAILURE)
+
     while len(done) < world:
         now = time.monotonic()
         if now >= deadline:
@@ -137,8 +146,10 @@ def _collect(
                 rank = open_readers.pop(obj)  # type: ignore[call-overload]
                 try:
                     message = obj.recv()  # type: ignore[union-attr]
-                except EOFError:
-                    continue  # died without reporting: its sentinel tells
+                except EOFError:  # died without reporting: its sentinel tells, or told already
+                    if rank not in sentinels.values() and rank not in done:
+                        died(rank)  # its sentinel came first and left it to this pipe's end
+                    continue
                 if message[0] == "ok":
                     results[rank] = message[1]
                 else:
@@ -153,11 +164,7 @@ def _collect(
                 if reader is not None:
                     open_readers.pop(reader)
                 if rank not in done:
-                    done.add(rank)
-                    if rank not in may_die:
-                        code = procs[rank].exitcode
-                        failures[rank] = (f"rank {rank} died without reporting (exit code {code})", None)
-                        deadline = min(deadline, time.monotonic() + _GRACE_AFTER_FAILURE)
+                    died(rank)
     missing = sorted(set(range(world)) - done)
     if failures:
         _raise(failures, missing)
