@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from rollout_sync.layout.box import reach
 from rollout_sync.rollout.buffer_pool import BufferPool
 
 __all__ = ["LayerMemory"]
@@ -24,9 +25,7 @@ Size = tuple[int, str]  # (bytes, device)
 
 def _extent_bytes(t: torch.Tensor) -> int:
     """The bytes a tensor of ``t``'s size and strides spans (0 when empty)."""
-    if t.numel() == 0:
-        return 0
-    return (1 + sum((n - 1) * s for n, s in zip(t.size(), t.stride(), strict=True))) * t.element_size()
+    return reach(0, t.size(), t.stride()) * t.element_size()
 
 
 def _meta() -> Any:

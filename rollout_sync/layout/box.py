@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from math import prod
 
@@ -60,6 +61,13 @@ class Box:
 
     def __str__(self) -> str:
         return "[" + ", ".join(f"{o}:{o + e}" for o, e in zip(self.origin, self.extent, strict=True)) + "]"
+
+
+def reach(offset: int, extent: Sequence[int], strides: Sequence[int]) -> int:
+    """One past the last storage element a strided view touches (``offset`` for an empty view)."""
+    if prod(extent) == 0:
+        return offset
+    return offset + sum((e - 1) * st for e, st in zip(extent, strides, strict=True)) + 1
 
 
 def row_major_strides(shape: tuple[int, ...]) -> tuple[int, ...]:

@@ -77,7 +77,3 @@ class BufferPool:
         """The bytes of every buffer the pool keeps or has handed out."""
         free = sum(b.numel() for b in self._free.values())
         return free + sum(b.numel() for b, _ in self._out.values())
-
-    def clear(self) -> None:
-        """Free the buffers the pool keeps (those handed out are the takers' until given back)."""
-        self._free.clear()

@@ -211,9 +211,10 @@ class FullTransfer:
             received = self.program.receives.get(r, ())
             if targets.streamed:  # each loaded form closes at the round's last part of it
                 unpack_by_tensor([(self._slot("recv", m), parts) for m, parts in received], targets)
-            for m, parts in received:
-                if not targets.streamed:
+            else:
+                for m, parts in received:
                     unpack(self._slot("recv", m), parts, targets)
+            for m, _ in received:
                 ack = transport.consumed(m.peer, m.tag, f"round {r}")
                 if ack is not None:
                     self.acks.append(ack)

@@ -8,20 +8,13 @@ checked by ``local_check``.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from math import prod
 
+from ..layout.box import reach
 from ..layout.dtypes import ITEMSIZE
 from ..planning.half import PlanHalf
 
 __all__ = ["check_half"]
-
-
-def _reach(offset: int, extent: Sequence[int], strides: Sequence[int]) -> int:
-    """One past the last storage element a view touches (``offset`` for an empty view)."""
-    if prod(extent) == 0:
-        return offset
-    return offset + sum((e - 1) * st for e, st in zip(extent, strides, strict=True)) + 1
 
 
 def check_half(half: PlanHalf) -> str | None:
@@ -62,10 +55,10 @@ def check_half(half: PlanHalf) -> str | None:
                 shape = storages.get(owner)
                 if shape is None:
                     return f"{where}: the plan lists no {side} storage on rank {owner}"
-                reach = _reach(offset, s.extent, strides)
-                if reach > prod(shape):
+                end = reach(offset, s.extent, strides)
+                if end > prod(shape):
                     return (
-                        f"{where}: reaches {side} element {reach - 1}, the {side} storage on rank {owner}"
+                        f"{where}: reaches {side} element {end - 1}, the {side} storage on rank {owner}"
                         f" has shape {tuple(shape)} ({prod(shape)} elements)"
                     )
     return None

@@ -158,14 +158,10 @@ def unpack_by_tensor(
     otherwise open every layer of a message at once, the next peer's message closing them; this way each
     closes as soon as the round's last part of it has landed."""
     place: dict[str, float] = {}
-    for _, parts in messages:
-        for i, p in enumerate(parts):
-            share = i / len(parts)
-            if share < place.get(p.name, 2.0):
-                place[p.name] = share
     by_tensor: dict[str, list[tuple[torch.Tensor, PartProgram]]] = {}
     for buf, parts in messages:
-        for p in parts:
+        for i, p in enumerate(parts):
+            place[p.name] = min(place.get(p.name, 1.0), i / len(parts))
             by_tensor.setdefault(p.name, []).append((buf, p))
     for name in sorted(by_tensor, key=place.__getitem__):
         for buf, p in by_tensor[name]:
