@@ -77,14 +77,14 @@ def _maps(layers: int, vocab: int) -> tuple[list[Any], list[Any]]:
     return sources, targets
 
 
-def _logical(name_index: int, shape: tuple[int, ...]) -> Any:
+def _logical(name_index: int, shape: tuple[int, ...], device: Any = "cpu") -> Any:
     """Logical tensor values, cheap and distinct enough to catch a misplaced element (bf16)."""
     import torch
 
     n = 1
     for e in shape:
         n *= e
-    k = torch.arange(n, dtype=torch.int64)
+    k = torch.arange(n, dtype=torch.int64, device=device)
     return (
         (((k * 7919 + name_index * 104729) % 10007).to(torch.float32) / 64 - 78)
         .to(torch.bfloat16)
@@ -92,8 +92,10 @@ def _logical(name_index: int, shape: tuple[int, ...]) -> Any:
     )
 
 
-def _carve(shapes: dict[str, tuple[int, ...]], dtype: Any, fill: float) -> tuple[Any, dict[str, Any]]:
-    """One flat buffer and a contiguous view of it per name (64-element aligned)."""
+def _carve(
+    shapes: dict[str, tuple[int, ...]], dtype: Any, fill: float, device: Any = "cpu"
+) -> tuple[Any, dict[str, Any]]:
+    """One flat buffer (on ``device``) and a contiguous view of it per name (64-element aligned)."""
     import torch
 
     sizes = {}
@@ -104,7 +106,7 @@ def _carve(shapes: dict[str, tuple[int, ...]], dtype: Any, fill: float) -> tuple
             n *= e
         sizes[name] = (total, n)
         total += -(-n // 64) * 64
-    flat = torch.full((total,), fill, dtype=dtype)
+    flat = torch.full((total,), fill, dtype=dtype, device=device)
     return flat, {name: flat[a : a + n].view(shapes[name]) for name, (a, n) in sizes.items()}
 
 
@@ -146,6 +148,16 @@ class TimedRank:
         start = time.perf_counter()
         fn()
         return self.slowest(time.perf_counter() - start)
+
+    def interleaved(self, methods: tuple[str, ...], warmup: int, syncs: int) -> dict[str, list[float]]:
+        """``warmup`` + ``syncs`` rounds of every method (``self.<name>``) in turn; the measured seconds."""
+        times: dict[str, list[float]] = {name: [] for name in methods}
+        for i in range(warmup + syncs):
+            for name in methods:
+                t = self.timed(getattr(self, name))
+                if i >= warmup:
+                    times[name].append(t)
+        return times
 
 
 class _Rank(TimedRank):
@@ -276,12 +288,7 @@ class _Rank(TimedRank):
         # the ceiling moves exactly the bytes ours moved between each pair
         self.raw_send = {p: torch.empty(n, dtype=torch.uint8) for p, n in stats.bytes_sent.items()}
         self.raw_recv = {p: torch.empty(n, dtype=torch.uint8) for p, n in stats.bytes_received.items()}
-        times: dict[str, list[float]] = {name: [] for name in METHODS}
-        for i in range(self.args.warmup + self.args.syncs):
-            for name in METHODS:
-                t = self.timed(getattr(self, name))
-                if i >= self.args.warmup:
-                    times[name].append(t)
+        times = self.interleaved(METHODS, self.args.warmup, self.args.syncs)
         stats = self.last
         self.same_host_executor.close()
         return {

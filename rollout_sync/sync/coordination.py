@@ -57,12 +57,19 @@ def layout_version(
 BACKEND_DEVICES = {"gloo": "cpu", "nccl": "cuda"}
 
 
-def check_backend(backend: str, devices: Mapping[str, object]) -> None:
+def check_backend(backend: str, devices: Mapping[str, object], *, ipc: bool = False) -> None:
     """Refuse (``BackendDeviceError``) a backend that cannot carry a peer's storage device (``devices``:
-    peer name -> the device type its hello reported; peers that report none are not checked)."""
+    peer name -> the device type its hello reported; peers that report none are not checked). ``ipc``:
+    every rank is on one host and syncs may map each other's storages (``shared_memory``, no delta); then
+    gloo also takes a group whose every rank holds CUDA storages, as a trainer and a vLLM engine sharing a
+    GPU (NCCL cannot put two ranks on one device): their bytes move through CUDA IPC handles and only tables
+    and signals cross gloo. A pair that does not map is refused at the first sync
+    (``SameHostPairs.refuse_unmapped``), before any byte moves."""
     want = BACKEND_DEVICES.get(backend)
     if want is None:
         raise BackendDeviceError(f"backend {backend!r} is not one of {sorted(BACKEND_DEVICES)}")
+    if backend == "gloo" and ipc and devices and all(d == "cuda" for d in devices.values()):
+        return
     wrong = {name: d for name, d in devices.items() if d is not None and d != want}
     if wrong:
         listed = ", ".join(f"{name} holds {d} storages" for name, d in sorted(wrong.items()))
@@ -161,7 +168,12 @@ def coordinate(
             )
             for p in peers
         ]
-        check_backend(backend, {e.role: p.fields.get("device") for e, p in zip(roster, peers, strict=True)})
+        one_host = len({e.host for e in roster}) == 1 and all(e.host for e in roster)
+        check_backend(
+            backend,
+            {e.role: p.fields.get("device") for e, p in zip(roster, peers, strict=True)},
+            ipc=shared_memory and not delta and one_host,
+        )
         rollout = [p for p in peers if p.role == ROLLOUT]
         places = {e.rank: (e.host, e.pid) for e in roster if e.host}
         if policy == "balanced":  # nearest holders first (a colocated trainer rank copies in its own process)

@@ -242,11 +242,15 @@ class Executor:
         # the base this rank names; forgotten now: only the commit of this sync gives one back
         base = self.delta_state.offer(half, sources, targets, stream)
         t = clock.add("check", t)
-        offers, delta_base = self._agree(half, reason, wanted, device, base)
+        # the agreement's tensors: on the storages' device for NCCL, on the CPU for gloo (even with CUDA storages)
+        collective = device if self.backend == "nccl" else torch.device("cpu")
+        offers, delta_base = self._agree(half, reason, wanted, collective, base)
         if delta_base is not None:
             clock.add("agree", t)
+            self.pairs.refuse_unmapped(half, device, self.backend, self.rank, delta=True)
             return self._execute_delta(half, offers, delta_base, sources, targets, device, clock, t0)
-        self.pairs.probe(self.group, self.rank, half, self.options.timeout, sources)
+        self.pairs.probe(self.group, self.rank, half, self.options.timeout, sources, device)
+        self.pairs.refuse_unmapped(half, device, self.backend, self.rank)
         t = clock.add("agree", t)
         program = self._program(half, offers)
         schedule = program.schedule

@@ -124,6 +124,8 @@ class Transport:
             assert self.local is not None
             return Pending(self.local.offer(peer, sources), peer, "send", "handoff")
         table, error = table_of(names, sources)
+        if self.device.type == "cuda":  # the peer reads the sources on its own stream: finish writing them
+            torch.cuda.current_stream(self.device).synchronize()
         sent = self.signal("send", peer, MAP_TABLE_TAG, "mapped handoff table", table)
         answer = torch.ones(1, dtype=torch.int64)
         done = self.signal("recv", peer, MAP_DONE_TAG, "mapped handoff", answer)
@@ -196,6 +198,13 @@ class Transport:
             assert self.local is not None
             self.local.finish(peer, error)
             return None
+        if error is None and self.device.type == "cuda":  # the copies from its storages are queued: finish
+            try:
+                torch.cuda.current_stream(self.device).synchronize()
+            except RuntimeError:
+                failed = torch.ones(1, dtype=torch.int64)
+                self.kept.append(self.signal("send", peer, MAP_DONE_TAG, "mapped handoff failed", failed))
+                raise
         answer = torch.tensor([0 if error is None else 1], dtype=torch.int64)
         return self.signal("send", peer, MAP_DONE_TAG, "mapped handoff done", answer)
 

@@ -3,6 +3,7 @@ pull (and which can map each other's storages: ``mapped``), and one transfer's p
 
 from __future__ import annotations
 
+import contextlib
 import secrets
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -14,7 +15,7 @@ import torch
 from ..errors import PeerFailedError
 from . import cross_memory
 from .copies import part_runs
-from .mapped import MappedStorages, share
+from .mapped import ROW, UNSHARED, MappedStorages, row_of
 from .messages import Message
 from .p2p import Pending, Transport
 from .program import Program
@@ -122,14 +123,22 @@ class ProbeResult:
     mapped_by: set[int]
 
 
-def _can_map(pid: int, fd: int, inode: int, expected: int) -> bool:
-    if fd < 0:
+def _can_map(pid: int, row: list[int], expected: int, device: torch.device) -> bool:
+    """Does the storage a peer's probe ``row`` names open here and hold ``expected``?"""
+    if row[0] == UNSHARED:
         return False
+    maps = MappedStorages(device)
     try:
-        storage = MappedStorages().storage(pid, fd, inode, 8)
+        storage = maps.storage(pid, row)
+        value = int(
+            torch.empty(0, dtype=torch.int64, device=storage.device).set_(storage, row[4], (1,), (1,))[0]
+        )
     except (OSError, RuntimeError):
         return False
-    return int(torch.empty(0, dtype=torch.int64).set_(storage, 0, (1,), (1,))[0]) == expected
+    finally:
+        with contextlib.suppress(RuntimeError):
+            maps.clear()
+    return value == expected
 
 
 def probe_pulls(
@@ -140,30 +149,36 @@ def probe_pulls(
     timeout_s: float,
     map_sources: bool = True,
     shareable: set[int] | None = None,
+    device: torch.device | None = None,
 ) -> ProbeResult:
     """Can this rank read each of ``peers``' memory (``process_vm_readv``) and map its storages (``mapped``),
     and can each do so with this rank's? Both ends of every pair call it at the same sync (their halves
     mirror each other) and learn both answers, so both build the same schedule. ``map_sources``: this rank
     lets its storages be mapped and maps its peers' (a pair maps only where both ends allow it);
-    ``shareable``: the peers that may map this rank's storages (default: all)."""
-    cross_memory.allow_pulls()
+    ``shareable``: the peers that may map this rank's storages (default: all); ``device``: where this rank's
+    storages are (CUDA: no pulls, which read host memory; a peer maps it through a CUDA IPC handle)."""
+    device = device or torch.device("cpu")
+    on_cpu = device.type == "cpu"
+    if on_cpu:
+        cross_memory.allow_pulls()
     timeout = timedelta(seconds=timeout_s)
     value = secrets.randbits(62)
-    magic = torch.tensor([value], dtype=torch.int64)
-    fd = inode = -1
+    magic = torch.tensor([value], dtype=torch.int64, device=device)
+    unshared = [UNSHARED] + [0] * (ROW - 1)
+    row = unshared
     if map_sources:
         try:
-            fd, inode, _ = share(magic)  # moves it into shared memory first: its address is read after
+            row = row_of(magic)  # on CPU it moves into shared memory first: its address is read after
         except (OSError, RuntimeError):
-            fd = inode = -1
+            row = unshared
+    address = magic.data_ptr() if on_cpu else 0
     mine = {
         p: torch.tensor(
-            [magic.data_ptr(), value, *((fd, inode) if shareable is None or p in shareable else (-1, -1))],
-            dtype=torch.int64,
+            [address, value, *(row if shareable is None or p in shareable else unshared)], dtype=torch.int64
         )
         for p in peers
     }
-    theirs = {p: torch.zeros(4, dtype=torch.int64) for p in peers}
+    theirs = {p: torch.zeros(2 + ROW, dtype=torch.int64) for p in peers}
     answers = {p: torch.zeros(1, dtype=torch.int64) for p in peers}
     works: list[Any] = []
     try:
@@ -173,13 +188,16 @@ def probe_pulls(
         found = {}
         for p in peers:
             got = torch.zeros(1, dtype=torch.int64)
-            address, expected, their_fd, their_inode = (int(v) for v in theirs[p])
-            try:
-                cross_memory.pull(pids[p], [(got.data_ptr(), address, 8)])
-                readable = int(got) == expected
-            except OSError:
-                readable = False
-            mappable = map_sources and _can_map(pids[p], their_fd, their_inode, expected)
+            their = [int(v) for v in theirs[p]]
+            their_address, expected, their_row = their[0], their[1], their[2:]
+            readable = False
+            if on_cpu and their_address:
+                try:
+                    cross_memory.pull(pids[p], [(got.data_ptr(), their_address, 8)])
+                    readable = int(got) == expected
+                except OSError:
+                    readable = False
+            mappable = map_sources and _can_map(pids[p], their_row, expected, device)
             found[p] = int(readable) | int(mappable) << 1
         replies = {p: torch.tensor([found[p]], dtype=torch.int64) for p in peers}
         works += [group.send([replies[p]], p, PROBE_TAG + 1) for p in peers]

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from ..errors import BackendDeviceError
 from ..planning.half import PlanHalf
 from . import cross_memory
 from .mapped import MappedPeers, table_of
@@ -58,13 +59,22 @@ class SameHostPairs:
         return 0 if self.slots is None else self.slots.created_bytes
 
     def probe(
-        self, group: Any, rank: int, half: PlanHalf, timeout: float, sources: Mapping[str, torch.Tensor]
+        self,
+        group: Any,
+        rank: int,
+        half: PlanHalf,
+        timeout: float,
+        sources: Mapping[str, torch.Tensor],
+        device: torch.device | None = None,
     ) -> None:
         """Probe the same-host peers this half exchanges bytes with and has not probed yet (``pulls``). A
         peer may map this rank only if every storage this rank sends it from can be shared now
-        (``mapped.table_of``; a process out of file descriptors or of shared memory cannot)."""
+        (``mapped.table_of``; a process out of file descriptors or of shared memory cannot). ``device``:
+        where this rank's storages are (CUDA storages are mapped through IPC handles, never pulled)."""
         if self.slots is None or not cross_memory.supported():
             return
+        device = device or torch.device("cpu")
+        self.mapped.maps.device = device
         send_peers, recv_peers = peers_of(half, self.in_process)
         peers = sorted((set(send_peers) | set(recv_peers)) & self.shared - self._probed)
         if not peers:
@@ -76,13 +86,35 @@ class SameHostPairs:
                 names = sorted({half.tensors[s.tensor].name for s in half.sends if s.target_rank == peer})
                 if table_of(names, sources)[1] is None:
                     shareable.add(peer)
-        found = probe_pulls(group, rank, peers, pids, timeout, self.map_sources, shareable)
+        found = probe_pulls(group, rank, peers, pids, timeout, self.map_sources, shareable, device)
         self._probed.update(peers)
         self.pulls_from |= found.pulls_from
         self.pulled_by |= found.pulled_by
         self.maps_from |= found.maps_from
         self.mapped_by |= found.mapped_by
         self.mapped.maps_from, self.mapped.mapped_by = self.maps_from, self.mapped_by
+
+    def refuse_unmapped(
+        self, half: PlanHalf, device: torch.device, backend: str, rank: int, delta: bool = False
+    ) -> None:
+        """A backend other than NCCL carries no bytes of device storages: every peer such a rank exchanges
+        segments with must be in this process or map (be mapped by) it through CUDA IPC, else
+        ``BackendDeviceError`` before any byte moves (both ends of the pair know it: the probe's answers
+        are mutual). A delta sync's pairs all exchange messages."""
+        if device.type == "cpu" or backend == "nccl":
+            return
+        send_peers, recv_peers = peers_of(half, self.in_process)
+        bad = sorted(
+            {p for p in send_peers if delta or p not in self.mapped_by}
+            | {p for p in recv_peers if delta or p not in self.maps_from}
+        )
+        if bad:
+            what = "a delta sync" if delta else "this sync"
+            raise BackendDeviceError(
+                f"rank {rank}: {what} would send {device} storages over {backend!r} to or from ranks {bad}, "
+                f"which neither share this process nor map them through CUDA IPC (same host, "
+                f"ExecuteOptions.shared_memory, not a delta sync); {backend!r} carries only CPU tensors"
+            )
 
     def segments(
         self, half: PlanHalf, schedule: Schedule, offers: list[int], rank: int
