@@ -156,6 +156,9 @@ class Transport:
         table = empty_table(names)
         pending = self.signal("recv", peer, MAP_TABLE_TAG, "mapped handoff table", table)
         last = maps.tables.get(peer)
+        # provisional only on CPU: a CUDA sender's stream may still be writing its sources at the
+        # agreement; its table leaves after it synchronized
+        provisional = provisional and self.device.type == "cpu"
         if provisional and last is not None and last[0] == tuple(names):
             self._unconfirmed[peer] = (pending, table, last[1], tuple(names), tuple(dtypes))
             return self._views(peer, maps, last[1], names, dtypes)
