@@ -18,6 +18,7 @@ with ``rs_harness_`` or ``rs_rollout_test_``. Runs in the spawned worker: the re
 - ``rs_rollout_test_fill_uncovered`` / ``rs_rollout_test_uncovered_values``: write a sentinel into every
   element no storage view covers (padding) and read those elements back, to check that a sync never
   writes them;
+- ``rs_rollout_test_tied_head``: the GEMM handles of a tied model's embedding and head after an update;
 - ``rs_rollout_test_apply_segments``: a local stand-in for the transport: applies the receive segments of
   a plan whose single source rank holds each logical tensor whole (read from a checkpoint);
 - ``rs_harness_packs`` / ``rs_harness_pack_linears``: whether vLLM keeps the dense linear layers' weights
@@ -162,6 +163,25 @@ class TestWorkerExtension(RolloutSyncExtension):
                     flat[start:stop].fill_(value)
                     filled += stop - start
         return filled
+
+    def rs_rollout_test_tied_head(self) -> dict[str, Any]:
+        """The GEMM handles of a tied model's input embedding and head after an update: the derived copies
+        this worker rebuilds, whether the embedding's handle waits for its first use, and whether the
+        embedding used as a linear layer then computes exactly what the head's handle computes."""
+        model = self.model_runner.model
+        embed, head = model.model.embed_tokens, model.lm_head
+        out: dict[str, Any] = {
+            "derived": [d.name for d in self.rollout_sync_get().derived],
+            "tied": embed.weight is head.weight,
+            "embed_waits": getattr(embed.cpu_linear, "__name__", "") == "first_use",
+        }
+        x = torch.randn(3, embed.weight.shape[1], generator=torch.Generator().manual_seed(0))
+        x = x.to(embed.weight.dtype)
+        with torch.no_grad():
+            as_linear = embed.quant_method.apply(embed, x)
+            out["embed_equals_head"] = bool(torch.equal(as_linear, head.quant_method.apply(head, x)))
+        out["embed_waits_after_use"] = getattr(embed.cpu_linear, "__name__", "") == "first_use"
+        return out
 
     def rs_rollout_test_uncovered_values(self) -> list[float]:
         worker = self.rollout_sync_get()

@@ -66,6 +66,7 @@ class Fleet:
     targets: RolloutTargets
     plan: Plan
     reports: list[list[dict[str, Any]]]
+    tied_head: list[dict[str, Any]]  # engine X's workers after the update, then after a forward as a linear
     after_x: Snapshot
     after_y: Snapshot
 
@@ -88,7 +89,9 @@ def fleet(tiny_model: Any, vllm_pool: Any) -> Iterator[Fleet]:
             receives = {str(r): receive_rows(plan, r) for r in ranks}
             reports.append(engine.collective_rpc("rs_rollout_test_apply_segments", args=(str(b), receives)))
             engine.llm.reset_prefix_cache()
-        yield Fleet(a, b, fresh_x, fresh_y, targets, plan, reports, snapshot(x), snapshot(y))
+        after_x, after_y = snapshot(x), snapshot(y)
+        tied_head = x.collective_rpc("rs_rollout_test_tied_head")
+        yield Fleet(a, b, fresh_x, fresh_y, targets, plan, reports, tied_head, after_x, after_y)
     finally:
         vllm_pool.restore(x)
         vllm_pool.restore(y)
@@ -125,6 +128,25 @@ def test_tied_embeddings_are_one_storage_and_the_alias_is_no_target(fleet: Fleet
     embed = maps["model.embed_tokens.weight"]
     assert [p.box for p in embed.ranks[4].pieces] == [Box((512, 0), (488, 128))]
     assert embed.ranks[4].pieces[0].holders == (2, 4)
+
+
+def test_a_tied_embeddings_gemm_handle_is_rebuilt_at_its_first_use_and_the_heads_at_the_update(fleet: Fleet):
+    """Where vLLM keeps a GEMM handle per module (oneDNN/sgl on AVX-512/AMX CPUs), it builds one for the
+    input embedding too, which computes no logits (the head does): an update rebuilds the head's and
+    releases the embedding's until it is used as a linear layer, when it is rebuilt from the current
+    weight and computes what the head computes. Without such handles (AVX2) neither is a derived copy."""
+    for worker in fleet.tied_head:
+        assert worker["tied"] is True
+        gemm = sorted(d for d in worker["derived"] if d.startswith("CPU GEMM prepack"))
+        if not gemm:  # no handles on this CPU: plain GEMMs over the live weight
+            assert worker["embed_waits"] is False
+        else:
+            assert gemm == [
+                "CPU GEMM prepack of lm_head",
+                "CPU GEMM prepack of model.embed_tokens (rebuilt on first use)",
+            ]
+            assert worker["embed_waits"] is True and worker["embed_waits_after_use"] is False
+        assert worker["embed_equals_head"] is True
 
 
 def test_replicated_norms_are_held_by_every_worker_of_every_engine(fleet: Fleet):
