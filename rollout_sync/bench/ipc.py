@@ -27,7 +27,7 @@ stream is synchronized). With ``--json`` the last line is one JSON object: ``dev
 copy_bound_s, ours_gbps, copy_gbps, fraction_of_copy, verified, first_sync_s, ours_copy_phase_s, mapped,
 shm_left`` (``bytes``: received by the rollout ranks in one sync; GB/s of those bytes; ``fraction_of_copy``:
 ``copy_bound_s / ours_ipc_s``; ``ours_copy_phase_s``: the slower receiver's median copy phase, the sync
-without its agreement and signals; ``mapped``: every pair mapped; ``shm_left``: entries this run left in
+without its agreement and signals; ``mapped``: every pair mapped; ``shm_left``: entries this run's group left in
 ``/dev/shm``).
 """
 
@@ -151,9 +151,11 @@ class _Rank(TimedRank):
         }
 
 
-def _shm_entries() -> set[str]:
+def _shm_entries(group_id: str) -> set[str]:
+    """This run's entries in ``/dev/shm``: shared segments are named after their group (``SHM_PREFIX``, pid,
+    group id); other processes' entries (a test run beside this one) are not this run's."""
     try:
-        return set(os.listdir("/dev/shm"))
+        return {e for e in os.listdir("/dev/shm") if group_id in e}
     except OSError:
         return set()
 
@@ -172,9 +174,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--timeout", type=float, default=240.0, help="seconds before the run is abandoned")
     args = parser.parse_args(argv)
     args.group_id = secrets.token_hex(6)
-    before = _shm_entries()
     results = spawn_ranks(args, _Rank)
-    left = sorted(_shm_entries() - before)
+    left = sorted(_shm_entries(args.group_id))
     r0 = results[0]
     med = {name: statistics.median(r0["times"][name]) for name in METHODS}
     received = sum(results[r]["received"] for r in ROLLOUT)

@@ -15,8 +15,8 @@ from rollout_sync.bench import ipc
 def test_bench_ipc_on_cpu_maps_every_pair_and_verifies(capsys: pytest.CaptureFixture[str]) -> None:
     status = ipc.main(["--device", "cpu", "--layers", "1", "--vocab", "2048", "--syncs", "2", "--json"])
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["verified"] is True and out["mapped"] is True and out["shm_left"] == [], out
     assert status == 0
-    assert out["verified"] is True and out["mapped"] is True and out["shm_left"] == []
     assert out["device"] == "cpu" and out["bytes"] > 0
     for key in (
         "ours_ipc_s",
