@@ -20,7 +20,7 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["HANDLE_WORDS", "close", "export", "open_handle", "storage_at"]
+__all__ = ["HANDLE_WORDS", "close", "export", "handle_of", "handle_words", "open_handle", "storage_at"]
 
 HANDLE_BYTES = 64  # CU_IPC_HANDLE_SIZE
 HANDLE_WORDS = HANDLE_BYTES // 8
@@ -30,7 +30,23 @@ _cuda: ctypes.CDLL | None = None
 
 
 class _Handle(ctypes.Structure):
-    _fields_ = [("reserved", ctypes.c_char * HANDLE_BYTES)]
+    """``CUipcMemHandle``: 64 opaque bytes (bytes, not ``c_char``: a ``c_char`` array field reads back as
+    a C string, cut at its first zero byte)."""
+
+    _fields_ = [("reserved", ctypes.c_ubyte * HANDLE_BYTES)]
+
+
+def handle_words(handle: _Handle) -> list[int]:
+    """A handle as ``HANDLE_WORDS`` signed 64-bit words (how a table row carries it)."""
+    raw = ctypes.string_at(ctypes.addressof(handle), HANDLE_BYTES)
+    return list(struct.unpack(f"<{HANDLE_WORDS}q", raw))
+
+
+def handle_of(words: Sequence[int]) -> _Handle:
+    """The handle ``handle_words`` gave those words for."""
+    handle = _Handle()
+    ctypes.memmove(ctypes.addressof(handle), struct.pack(f"<{HANDLE_WORDS}q", *words), HANDLE_BYTES)
+    return handle
 
 
 def _driver() -> ctypes.CDLL:
@@ -84,15 +100,13 @@ def export(tensor: torch.Tensor) -> tuple[list[int], int, int]:
     _check(lib.cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(size), ptr), "cuMemGetAddressRange")
     handle = _Handle()
     _check(lib.cuIpcGetMemHandle(ctypes.byref(handle), base.value), "cuIpcGetMemHandle")
-    words = list(struct.unpack(f"<{HANDLE_WORDS}q", bytes(handle.reserved.raw)))
-    return words, ptr - base.value, storage.nbytes()
+    return handle_words(handle), ptr - base.value, storage.nbytes()
 
 
 def open_handle(words: Sequence[int], device: torch.device) -> int:
     """Open a peer's allocation on ``device`` (this process's mapping of it): its base address."""
     _current(device)
-    handle = _Handle()
-    ctypes.memmove(handle.reserved, struct.pack(f"<{HANDLE_WORDS}q", *words), HANDLE_BYTES)
+    handle = handle_of(words)
     ptr = ctypes.c_uint64()
     _check(
         _driver().cuIpcOpenMemHandle_v2(ctypes.byref(ptr), handle, _LAZY_ENABLE_PEER_ACCESS),
@@ -115,6 +129,7 @@ class _Interface:
             "shape": (nbytes,),
             "typestr": "|u1",
             "data": (ptr, False),
+            "strides": None,  # C-contiguous
             "version": 2,
         }
 

@@ -63,10 +63,12 @@ def test_a_cuda_row_is_refused_by_a_receiver_whose_storages_are_on_the_cpu() -> 
         MappedStorages(torch.device("cpu")).storage(7, row)
 
 
-def test_an_ipc_handle_travels_as_signed_words_and_cpu_tensors_have_none() -> None:
-    raw = bytes(range(256 - 64, 256))  # high bytes: the words are negative as int64
+def test_an_ipc_handle_travels_as_signed_words_zero_bytes_included_and_cpu_tensors_have_none() -> None:
+    raw = bytes([0, 7, 0, 0, 255, 128, 0, 1] * 8)  # zero bytes inside, high bytes: negative int64 words
     words = list(struct.unpack(f"<{cuda_ipc.HANDLE_WORDS}q", raw))
-    assert struct.pack(f"<{cuda_ipc.HANDLE_WORDS}q", *torch.tensor(words).tolist()) == raw
+    handle = cuda_ipc.handle_of(torch.tensor(words).tolist())  # through a table row and back
+    assert bytes(handle.reserved) == raw
+    assert cuda_ipc.handle_words(handle) == words
     with pytest.raises(RuntimeError, match="cpu storage has no CUDA IPC handle"):
         cuda_ipc.export(torch.zeros(2))
 
