@@ -82,13 +82,11 @@ def _dense_dispatch_on_first_use(layer: torch.nn.Module) -> Any:
     rebuilding the embedding's at every sync cost a second copy of the vocabulary's worth of reordering
     (0.08 s and 155 MB per worker, Qwen3-0.6B shapes at TP 2 on an AMX CPU) that nothing reads. Should
     anything call it, it is rebuilt from the current weight first, so it is never stale."""
+    rebuild = _dense_dispatch_refresh(layer)
 
     def refresh() -> None:
-        from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
-
         def first_use(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Any:
-            setattr(layer, "cpu_linear", torch.nn.functional.linear)  # noqa: B010
-            dispatch_cpu_unquantized_gemm(layer, remove_weight=False)
+            rebuild()
             return getattr(layer, "cpu_linear")(x, weight, bias)  # noqa: B009 - an nn.Module attribute
 
         setattr(layer, "cpu_linear", first_use)  # noqa: B010 - the stale handle is released here
@@ -96,25 +94,9 @@ def _dense_dispatch_on_first_use(layer: torch.nn.Module) -> Any:
     return refresh
 
 
-def _is_head(module: torch.nn.Module) -> bool:
-    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
-
-    return isinstance(module, ParallelLMHead)
-
-
-def _heads_tied_to(model: torch.nn.Module) -> set[int]:
-    """Ids of the weights a ``ParallelLMHead`` holds (vLLM computes logits through it)."""
-    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
-
-    return {
-        id(m.weight)
-        for m in model.modules()
-        if isinstance(m, ParallelLMHead) and isinstance(getattr(m, "weight", None), torch.Tensor)
-    }
-
-
 def derived_copies(model: torch.nn.Module, views: Mapping[str, StorageView]) -> list[DerivedCopy]:
     """Every derived copy of ``model`` that a write through ``views`` makes stale, with its rebuild."""
+    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
     from vllm.platforms import current_platform
 
     on_cpu = current_platform.is_cpu()
@@ -122,7 +104,8 @@ def derived_copies(model: torch.nn.Module, views: Mapping[str, StorageView]) -> 
     all_views = list(views.values())
     # A tied weight has one name in named_parameters() (the first one); views use that name.
     canonical = {id(p): n for n, p in model.named_parameters()}
-    heads: set[int] | None = None
+    # the weights vLLM computes logits with
+    heads = {id(getattr(m, "weight", None)) for m in model.modules() if isinstance(m, ParallelLMHead)}
     for name, module in model.named_modules():
         w13 = getattr(module, "w13_weight", None)
         w2 = getattr(module, "w2_weight", None)
@@ -164,10 +147,8 @@ def derived_copies(model: torch.nn.Module, views: Mapping[str, StorageView]) -> 
         if on_cpu and _closure_holds_state(getattr(module, "cpu_linear", None)):
             weight = getattr(module, "weight", None)
             if isinstance(weight, torch.Tensor) and weight.numel() and id(weight) in canonical:
-                if heads is None:
-                    heads = _heads_tied_to(model)
                 # the input embedding of tied weights whose head is a module of its own: on first use
-                lazy = id(weight) in heads and not _is_head(module)
+                lazy = id(weight) in heads and not isinstance(module, ParallelLMHead)
                 out.append(
                     DerivedCopy(
                         f"CPU GEMM prepack of {name}" + (" (rebuilt on first use)" if lazy else ""),
