@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import ctypes
 import struct
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 
 import torch
 
@@ -80,10 +81,14 @@ def _check(rc: int, what: str) -> None:
     raise RuntimeError(f"{what}: CUDA driver error {rc} ({(name.value or b'?').decode()})")
 
 
-def _current(device: torch.device) -> None:
-    """Make ``device``'s primary context current on this thread (the driver API acts on it)."""
+@contextmanager
+def _on(device: torch.device) -> Iterator[None]:
+    """``device``'s primary context current on this thread while the driver API acts on it
+    (``torch.cuda.device`` sets the device: cudaSetDevice makes the context, then puts the caller's device
+    back)."""
     torch.cuda.init()
-    torch.cuda.set_device(device)  # cudaSetDevice: creates the primary context if needed, makes it current
+    with torch.cuda.device(device):
+        yield
 
 
 def export(tensor: torch.Tensor) -> tuple[list[int], int, int]:
@@ -94,31 +99,33 @@ def export(tensor: torch.Tensor) -> tuple[list[int], int, int]:
         raise RuntimeError(f"a {tensor.device.type} storage has no CUDA IPC handle")
     storage = tensor.untyped_storage()
     ptr = storage.data_ptr()
-    _current(tensor.device)
     lib = _driver()
     base, size = ctypes.c_uint64(), ctypes.c_size_t()
-    _check(lib.cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(size), ptr), "cuMemGetAddressRange")
     handle = _Handle()
-    _check(lib.cuIpcGetMemHandle(ctypes.byref(handle), base.value), "cuIpcGetMemHandle")
+    with _on(tensor.device):
+        _check(
+            lib.cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(size), ptr), "cuMemGetAddressRange"
+        )
+        _check(lib.cuIpcGetMemHandle(ctypes.byref(handle), base.value), "cuIpcGetMemHandle")
     return handle_words(handle), ptr - base.value, storage.nbytes()
 
 
 def open_handle(words: Sequence[int], device: torch.device) -> int:
     """Open a peer's allocation on ``device`` (this process's mapping of it): its base address."""
-    _current(device)
     handle = handle_of(words)
     ptr = ctypes.c_uint64()
-    _check(
-        _driver().cuIpcOpenMemHandle_v2(ctypes.byref(ptr), handle, _LAZY_ENABLE_PEER_ACCESS),
-        "cuIpcOpenMemHandle",
-    )
+    with _on(device):
+        _check(
+            _driver().cuIpcOpenMemHandle_v2(ctypes.byref(ptr), handle, _LAZY_ENABLE_PEER_ACCESS),
+            "cuIpcOpenMemHandle",
+        )
     return int(ptr.value)
 
 
 def close(ptr: int, device: torch.device) -> None:
     """Close this process's mapping of a peer's allocation (its views must be gone)."""
-    _current(device)
-    _check(_driver().cuIpcCloseMemHandle(ptr), "cuIpcCloseMemHandle")
+    with _on(device):
+        _check(_driver().cuIpcCloseMemHandle(ptr), "cuIpcCloseMemHandle")
 
 
 class _Interface:
