@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import torch
 
+from rollout_sync.bench.execute import qwen3_like
 from rollout_sync.errors import BackendDeviceError
 from rollout_sync.planning.planner import plan_model
 from rollout_sync.shapes import model_tensors, trainer_maps, vllm_target_maps
@@ -90,19 +91,8 @@ class _Group:
 
 
 def _half(rank: int) -> Any:
-    config = {
-        "model_type": "qwen3",
-        "num_hidden_layers": 1,
-        "hidden_size": 64,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 16,
-        "intermediate_size": 128,
-        "vocab_size": 256,
-        "tie_word_embeddings": False,
-        "attention_bias": False,
-    }
-    model = model_tensors(config)
+    """Rank ``rank``'s half of bench execute's layout (ZeRO-3 on ranks 0-1 to TP 2 on ranks 2-3), one layer."""
+    model = model_tensors(qwen3_like(1, 256))
     sources = trainer_maps(model, zero_stage=3, dp=2, dtype="bfloat16")
     targets = vllm_target_maps(model, engines=1, tp=2, first_rank=2, dtype="bfloat16")
     return plan_model(sources, targets).half(rank)
