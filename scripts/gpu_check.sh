@@ -22,10 +22,10 @@ words, offset, nbytes = cuda_ipc.export(t[5:])
 print(f"cuda_ipc.export: handle of {len(words)} words, storage at byte {offset} of its block, {nbytes} bytes")
 PY
 tests=0
-echo "== tests/gpu (the delta codec on the device, IPC handles, a small IPC sync)"
-timeout 75 "$PY" -m pytest -q -m gpu -p no:cacheprovider tests/gpu 2>&1 | tail -25 || tests=$?
+echo "== tests/gpu (the delta codec on the device, IPC handles, a small IPC sync, a sender killed with SIGKILL)"
+timeout 110 "$PY" -m pytest -q -m gpu -p no:cacheprovider tests/gpu 2>&1 | tail -25 || tests=$?
 status=0
 echo "== bench ipc: Qwen3-0.6B shapes, ZeRO-3 on ranks 0-1 to TP 2 on ranks 2-3, all on GPU 0"
-timeout 170 "$PY" -m rollout_sync.bench ipc --device cuda --timeout 160 --json "$@" || status=$?
+timeout 140 "$PY" -m rollout_sync.bench ipc --device cuda --timeout 130 --json "$@" || status=$?
 echo "== gpu_check: tests/gpu exit status $tests, bench ipc exit status $status (0: verified bit for bit, every pair mapped, nothing left in /dev/shm)"
 [ "$tests" = 0 ] && [ "$status" = 0 ]

@@ -231,7 +231,24 @@ class Executor:
         has landed in its target storage (cast to the target dtype). ``refusal``: a reason, found by the
         caller, why this rank must not take part; it becomes this rank's refusal in the agreement, so every
         rank raises the same ``PlanMismatchError`` before any byte moves. ``stream`` makes the targets given
-        as meta tensors (see ``full_transfer``)."""
+        as meta tensors (see ``full_transfer``).
+
+        After a failed sync this rank lets go of its mappings of its peers' storages (the next sync maps
+        them again): a dead peer's memory, a memory file or a CUDA allocation, is not kept alive by them."""
+        try:
+            return self._execute(half, sources, targets, refusal, stream)
+        except BaseException:
+            self.pairs.let_go()
+            raise
+
+    def _execute(
+        self,
+        half: PlanHalf,
+        sources: Mapping[str, torch.Tensor],
+        targets: Mapping[str, torch.Tensor],
+        refusal: str | None,
+        stream: TargetStream | None,
+    ) -> SyncStats:
         clock = PhaseClock()
         t0 = t = time.perf_counter()
         reason, device, wanted = self._check(half, sources, targets, stream)

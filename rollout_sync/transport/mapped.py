@@ -181,10 +181,24 @@ class MappedStorages:
         for ckey in [k for k in self._opened if k[0] == pid and k[1] not in handles]:
             cuda_ipc.close(self._opened.pop(ckey), self.device)
 
-    def clear(self) -> None:
+    def clear(self, strict: bool = True) -> None:
+        """Drop every mapping (a CUDA allocation once this rank's copies from it have finished). Not
+        ``strict`` (after a failed sync, where a peer may be dead): a CUDA allocation that cannot be closed
+        cleanly is let go of without raising; the driver releases it with this process at the latest."""
         self._maps.clear()
+        if not self._opened:
+            return
+        try:
+            torch.cuda.synchronize(self.device)
+        except RuntimeError:
+            if strict:
+                raise
         for ckey in list(self._opened):
-            cuda_ipc.close(self._opened.pop(ckey), self.device)
+            try:
+                cuda_ipc.close(self._opened.pop(ckey), self.device)
+            except RuntimeError:
+                if strict:
+                    raise
 
 
 @dataclass(eq=False)

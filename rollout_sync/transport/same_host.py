@@ -145,6 +145,11 @@ class SameHostPairs:
         if self.slots is not None:
             sweep_stale(self.slots.directory)
 
+    def let_go(self) -> None:
+        """After a failed sync: drop this rank's mappings of its peers' storages, without raising where a
+        dead peer's CUDA allocation cannot be closed cleanly."""
+        self.mapped.maps.clear(strict=False)
+
     def close(self) -> None:
         """Release the shared segments this rank made and its mappings of its peers' storages."""
         self.mapped.maps.clear()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import secrets
+import time
 
 import pytest
 import torch
@@ -23,6 +24,7 @@ from test_executor_layouts import (
     target_buffers,
 )
 
+from rollout_sync.errors import PeerFailedError, SyncTimeoutError
 from rollout_sync.planning.planner import plan_model
 from rollout_sync.transport import ExecuteOptions, Executor
 from rollout_sync.transport.shared_memory import SHM_PREFIX, SameHost, shm_dir
@@ -263,6 +265,58 @@ def test_a_sender_s_storage_is_moved_into_shared_memory_in_place_and_remapped_wh
             "mappings": 1,
             "left": [],
         }, (rank, r)
+
+
+def _mapped_inodes() -> set[int]:
+    """Inodes of the files this process has mapped (``/proc/self/maps``)."""
+    with open("/proc/self/maps") as f:
+        return {int(line.split()[4]) for line in f if len(line.split()) > 4}
+
+
+def _dead_peer(rank: int, world: int, group, group_id: str) -> dict:
+    """Both ranks hold rows of ``w`` and receive all of it, each mapping the other's storages. After one
+    sync rank 0 is killed (SIGKILL): rank 1's next sync fails within the timeout, and then no mapping of
+    rank 0's memory is left in rank 1 (it would keep the dead rank's memory alive)."""
+    import gc
+    import signal
+
+    same_host = _same_host(group, rank, world, group_id)
+    plan, _, full, sources = _rows_setup(rank, "float32")
+    executor = Executor(group, ExecuteOptions(timeout=10), same_host=same_host)
+    peer_pid = same_host.peers[1 - rank]
+
+    def sync() -> bool:
+        targets = {"w": torch.full(full.shape, float("nan"))}
+        executor.execute(plan.half(rank), sources, targets)
+        return torch.equal(targets["w"], full)
+
+    out: dict = {"exact": sync()}
+    peer_inodes = {key[1] for key in executor.pairs.mapped.maps._maps if key[0] == peer_pid}
+    out["mapped_before"] = bool(peer_inodes) and peer_inodes <= _mapped_inodes()
+    group.barrier().wait()
+    if rank == 0:
+        os.kill(os.getpid(), signal.SIGKILL)
+    start = time.monotonic()
+    try:
+        sync()
+        out["failed"] = "finished"
+    except (PeerFailedError, SyncTimeoutError) as e:
+        out["failed"] = type(e).__name__
+    out["elapsed"] = time.monotonic() - start
+    gc.collect()
+    out["mapped_after"] = sorted(peer_inodes & _mapped_inodes())
+    out["mappings_after"] = len(executor.pairs.mapped.maps)
+    executor.close()
+    return out
+
+
+def test_a_receiver_lets_go_of_a_killed_sender_s_memory_when_its_sync_fails() -> None:
+    results = run_on_ranks(_dead_peer, 2, secrets.token_hex(6), timeout=200, may_die={0})
+    assert results[0] is None
+    r = results[1]
+    assert r["exact"] and r["mapped_before"], r
+    assert r["failed"] in ("PeerFailedError", "SyncTimeoutError") and r["elapsed"] < 15, r
+    assert r["mapped_after"] == [] and r["mappings_after"] == 0, r
 
 
 def _unshareable(rank: int, world: int, group, group_id: str) -> dict:
