@@ -22,6 +22,12 @@ words, offset, nbytes = cuda_ipc.export(t[5:])
 print(f"cuda_ipc.export: handle of {len(words)} words, storage at byte {offset} of its block, {nbytes} bytes")
 PY
 tests=0
+# pytest is pure Python: where the lent machine has none, a session carries the local one
+# (`bash scripts/gpu_deps.sh`, then the device tool's run with carry [".gpu_deps"]).
+if ! "$PY" -c "import pytest" 2>/dev/null && [ -d .gpu_deps ]; then
+  export PYTHONPATH="$PYTHONPATH:$PWD/.gpu_deps"
+  echo "pytest from .gpu_deps (the machine has none)"
+fi
 echo "== tests/gpu (the delta codec on the device, IPC handles, a small IPC sync, a sender killed with SIGKILL)"
 timeout 110 "$PY" -m pytest -q -m gpu -p no:cacheprovider tests/gpu 2>&1 | tail -25 || tests=$?
 status=0
