@@ -16,9 +16,10 @@ Lifecycle of one sync (every rank of the group calls ``Executor.execute``, even 
 
 After a transport failure (``PeerFailedError`` / ``SyncTimeoutError``) the group's connections to the
 failed peer may be closed (gloo closes a pair on a timeout): build a new group before the next sync. A
-``PlanMismatchError`` leaves the group usable: nothing was posted. Staging (pack and unpack slots) lives in
-one arena per executor, allocated once and reused, and in the shared segments it made for same-host peers;
-together at most ``staging_cap_bytes``. ``close`` releases the shared segments.
+``PlanMismatchError`` leaves the group usable: nothing was posted. After any failure the rank lets go of its
+mappings of its peers' storages (a dead peer's memory is not kept alive). Staging (pack and unpack slots)
+lives in one arena per executor, allocated once and reused, and in the shared segments it made for
+same-host peers; together at most ``staging_cap_bytes``. ``close`` releases the shared segments.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ from .messages import Message
 from .p2p import transport_for
 from .program import Program, ProgramCache
 from .pulls import pulled_bytes
-from .same_host import SameHostPairs
+from .same_host import SameHostPairs, lets_go_on_failure
 from .schedule import Schedule, message_offer, message_sizes
 from .shared_memory import SameHost
 from .staging import StagingArena, slots_room
@@ -78,12 +79,8 @@ class Executor:
         self.arena = StagingArena()
         self.in_process: frozenset[int] = local.peers if local is not None else frozenset()
         # ranks on this host in other processes: their bytes are pulled or go through shared slots (CPU, gloo)
-        self.pairs = SameHostPairs(
-            same_host,
-            self.in_process,
-            self.backend == "gloo" and self.options.shared_memory,
-            self.options.map_sources,
-        )
+        shared = self.backend == "gloo" and self.options.shared_memory
+        self.pairs = SameHostPairs(same_host, self.in_process, shared, self.options.map_sources)
         self.programs = ProgramCache()  # the program of the last half
         self._fingerprints: tuple[PlanHalf, bytes, tuple[int, int]] | None = None
         self._checked: PlanHalf | None = None
@@ -219,6 +216,7 @@ class Executor:
         )
 
     # -- 4. transfer ------------------------------------------------------------------------------------
+    @lets_go_on_failure
     def execute(
         self,
         half: PlanHalf,
@@ -231,24 +229,7 @@ class Executor:
         has landed in its target storage (cast to the target dtype). ``refusal``: a reason, found by the
         caller, why this rank must not take part; it becomes this rank's refusal in the agreement, so every
         rank raises the same ``PlanMismatchError`` before any byte moves. ``stream`` makes the targets given
-        as meta tensors (see ``full_transfer``).
-
-        After a failed sync this rank lets go of its mappings of its peers' storages (the next sync maps
-        them again): a dead peer's memory, a memory file or a CUDA allocation, is not kept alive by them."""
-        try:
-            return self._execute(half, sources, targets, refusal, stream)
-        except BaseException:
-            self.pairs.let_go()
-            raise
-
-    def _execute(
-        self,
-        half: PlanHalf,
-        sources: Mapping[str, torch.Tensor],
-        targets: Mapping[str, torch.Tensor],
-        refusal: str | None,
-        stream: TargetStream | None,
-    ) -> SyncStats:
+        as meta tensors (see ``full_transfer``)."""
         clock = PhaseClock()
         t0 = t = time.perf_counter()
         reason, device, wanted = self._check(half, sources, targets, stream)

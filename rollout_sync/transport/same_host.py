@@ -13,8 +13,9 @@ once), its mappings of their storages, and the pull plan of the current program.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
+import functools
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar, cast
 
 import torch
 
@@ -155,3 +156,21 @@ class SameHostPairs:
         self.mapped.maps.clear()
         if self.slots is not None:
             self.slots.close()
+
+
+Run = TypeVar("Run", bound=Callable[..., Any])
+
+
+def lets_go_on_failure(run: Run) -> Run:
+    """A method of an object with ``pairs`` (``SameHostPairs``) that, when it fails, first lets go of the
+    rank's mappings of its peers' storages (``SameHostPairs.let_go``; the next sync maps them again)."""
+
+    @functools.wraps(run)
+    def wrapped(self: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return run(self, *args, **kwargs)
+        except BaseException:
+            self.pairs.let_go()
+            raise
+
+    return cast(Run, wrapped)
