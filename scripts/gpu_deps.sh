@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Copy the pure-Python packages scripts/gpu_check.sh needs beyond torch and numpy (pytest and what it
-# imports) from this checkout's .venv into .gpu_deps/ (ignored by git, about 5 MB), for a lent GPU machine
+# imports) from this checkout's .venv into .gpu_deps/ (ignored by git, about 2.3 MB), for a lent GPU machine
 # that has no pytest and no network: pass carry [".gpu_deps"] to the device tool's run.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -28,7 +28,7 @@ from .pulls import PullPlan, probe_pulls, pull_plan
 from .schedule import Schedule, peers_of
 from .shared_memory import SameHost, SharedSegments, SharedSlots, sweep_stale
 
-__all__ = ["SameHostPairs"]
+__all__ = ["SameHostPairs", "lets_go_on_failure"]
 
 
 class SameHostPairs:
