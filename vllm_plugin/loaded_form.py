@@ -131,6 +131,7 @@ class LoadedForms:
         self.memory = LayerMemory()  # where loaded forms live while open (pooled buffers)
         self.seconds = {"open": 0.0, "rebuild": 0.0}  # since the last ``reset_seconds``
         self.rebuilt = 0
+        self.unchanged = 0  # kept layers closed without a rebuild (nothing in them changed)
         self.peak_open = 0  # most layers open at once since the last ``reset_seconds``
         self.peak_held_bytes = 0  # most memory the loaded forms held at once, since then
 
@@ -138,6 +139,7 @@ class LoadedForms:
         """Before an update: its counters from zero (and buffers of the last one taken back)."""
         self.seconds = {"open": 0.0, "rebuild": 0.0}
         self.rebuilt = 0
+        self.unchanged = 0
         self.peak_open = 0
         self.peak_held_bytes = 0
         if not self.open_layers:
@@ -329,6 +331,14 @@ class LoadedForms:
             self.memory.release(name)
         self.seconds["rebuild"] += time.perf_counter() - started
         self.rebuilt += 1
+
+    def close_unchanged(self, name: str) -> None:
+        """Kept layer ``name`` arrived and none of its elements changed (a delta sync): its kernel's form
+        was made from these very values at the last update and stays; the layer is only closed."""
+        if not self.keeping:
+            raise RuntimeError(f"layer {name!r} is streamed: it has no earlier values to keep")
+        self.open_layers.pop(name)
+        self.unchanged += 1
 
     def discard(self) -> list[str]:
         """Put the kernel's tensors back on every open layer, unprocessed (their old weights stay)."""

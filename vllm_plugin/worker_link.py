@@ -103,8 +103,14 @@ def receive(worker: RolloutWorker, link: RolloutLink, *, open_update: bool = Tru
             for name in link.target_names
         }
         result = link.receive(targets, _SessionStream(session))
+        # in a delta sync, what arrived without a change keeps what was derived from it (a layer's
+        # kernel's form, a derived copy): not rebuilt
+        unchanged = result.stats.unchanged_targets if result.stats.delta_base is not None else frozenset()
         for name in link.target_names:
-            session.mark_written(name)
+            if name in unchanged:
+                session.mark_unchanged(name)
+            else:
+                session.mark_written(name)
         report = worker.finish() if open_update else {}
     except BaseException:
         worker.abort()
@@ -120,6 +126,7 @@ def receive(worker: RolloutWorker, link: RolloutLink, *, open_update: bool = Tru
         if forms is None
         else {
             "rebuilt": forms.rebuilt,
+            "unchanged": forms.unchanged,
             "kept_bytes": forms.kept_bytes,
             "pool_bytes": forms.held_bytes(),  # buffers loaded forms are written into, kept between syncs
             "peak_open_layers": forms.peak_open,

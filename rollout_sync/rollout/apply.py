@@ -5,9 +5,9 @@ No vLLM import: storages are plain tensors (views of the engine's parameters, lo
 (how a derived copy is rebuilt, how a refused tensor is loaded) come in as callables.
 
 An update is one ``UpdateSession``: ``storage(name)`` hands out the view to receive into (a staging
-buffer for a refused tensor), ``mark_written(name)`` records what arrived, and ``finish()`` loads the
-staging buffers through the full-tensor path, then rebuilds every derived copy whose parameters were
-written. A layer whose storage exists only during an update (``TransientLayers``: a loaded form that the
+buffer for a refused tensor), ``mark_written(name)`` records what arrived (``mark_unchanged(name)``: it all
+arrived and none of it changed, in a delta sync), and ``finish()`` loads the staging buffers through the
+full-tensor path, then rebuilds every derived copy whose parameters were written. A layer whose storage exists only during an update (``TransientLayers``: a loaded form that the
 engine turns into a kernel's form) is opened at the first ``storage`` call for one of its tensors and
 closed (rebuilt, freed) by the ``mark_written`` of its last one, so layers stream through memory in the
 order the tensors arrive. A derived copy that lives *in place* of its parameter (vLLM's CPU MoE prepack: same shape, other
@@ -144,6 +144,11 @@ class TransientLayers(Protocol):
         """Every element of ``layer`` was written: rebuild the engine's form from it, free it."""
         ...
 
+    def close_unchanged(self, layer: str) -> None:
+        """Every element of kept ``layer`` arrived unchanged: close it without a rebuild (the engine's form
+        was made from the same values)."""
+        ...
+
     def discard(self) -> list[str]:
         """Drop every open layer unrebuilt (the engine keeps its old form); the layers dropped."""
         ...
@@ -204,6 +209,7 @@ class UpdateSession:
         self.transient = transient
         self.on_loaded = on_loaded
         self.written: set[str] = set()
+        self.unchanged: set[str] = set()  # complete, but no element differs from before the update
         self.staging: dict[str, torch.Tensor] = {}
         self.layer_tensors: dict[str, frozenset[str]] = {}
         if transient is not None:
@@ -217,6 +223,7 @@ class UpdateSession:
         self.pending: dict[str, set[str]] = {}  # open layer -> its tensors not yet written
         self.opened: dict[str, Mapping[str, torch.Tensor]] = {}
         self.rebuilt: list[str] = []
+        self.kept_as_is: list[str] = []  # transient layers closed unchanged, not rebuilt
 
     def held_bytes(self) -> int:
         """The memory the transient layers' loaded forms hold now (open, or kept to be reused)."""
@@ -291,6 +298,8 @@ class UpdateSession:
         view = self.views.get(name)
         if view is None or view.param is None:
             return False
+        if any(d.in_place and view.param in d.params for d in self.derived):
+            return False  # the parameter holds the derived copy's layout between updates, not these values
         layer = self.layer_of.get(name)
         return layer is None or self.transient is None or self.transient.kept_layer(layer)
 
@@ -300,6 +309,7 @@ class UpdateSession:
         if name not in self.views:
             raise KeyError(f"rank {self.rank} holds no storage of tensor {name!r}")
         self.written.add(name)
+        self.unchanged.discard(name)
         layer = self.layer_of.get(name)
         pending = self.pending.get(layer) if layer is not None else None
         if layer is None or pending is None or self.transient is None:
@@ -307,8 +317,40 @@ class UpdateSession:
         pending.discard(name)
         if pending:
             return
+        self._complete(layer)
+
+    def mark_unchanged(self, name: str) -> None:
+        """Every element of ``name`` on this rank arrived and none of them differs from what the storage
+        held (a delta sync whose messages to it carried no change): nothing derived from it is rebuilt for
+        it, and a kept transient layer all of whose tensors are unchanged is closed without a rebuild. Only
+        for storage that outlives updates (``persistent``)."""
+        if name not in self.views:
+            raise KeyError(f"rank {self.rank} holds no storage of tensor {name!r}")
+        if not self.persistent(name):
+            raise IncompleteUpdateError(
+                f"rank {self.rank}: tensor {name!r} cannot be unchanged: its storage does not hold what the "
+                "last update wrote (a staging buffer, a streamed loaded form or a derived copy's layout)"
+            )
+        if name in self.written:
+            return  # written whole in this update (a copy within the process): it counts as changed
+        self.unchanged.add(name)
+        layer = self.layer_of.get(name)
+        pending = self.pending.get(layer) if layer is not None else None
+        if layer is None or pending is None or self.transient is None:
+            return
+        pending.discard(name)
+        if not pending:
+            self._complete(layer)
+
+    def _complete(self, layer: str) -> None:
+        """Every tensor of open transient ``layer`` arrived: rebuild it where one of them changed."""
+        assert self.transient is not None
         del self.pending[layer]
         tensors = self.opened.pop(layer)
+        if self.layer_tensors[layer] <= self.unchanged:
+            self.transient.close_unchanged(layer)
+            self.kept_as_is.append(layer)
+            return
         if self.on_loaded is not None:
             self.on_loaded(layer, tensors)
         self.transient.close(layer)
@@ -341,7 +383,9 @@ class UpdateSession:
             if not d.in_place:
                 continue
             missing = sorted(
-                n for n, v in self.views.items() if v.param in d.params and n not in self.written
+                n
+                for n, v in self.views.items()
+                if v.param in d.params and n not in self.written and n not in self.unchanged
             )
             if missing:
                 raise IncompleteUpdateError(

@@ -1,7 +1,9 @@
 """The messages of one delta sync (``delta``), round by round: a sender packs each message, compares it with
 its shadow and sends a head (mode and payload bytes) and, unless nothing changed, a payload (the coded
 changes or the whole message), updating its shadow; a receiver takes each head, then its payload, and
-applies it (``delta_landing``) or unpacks it whole.
+applies it (``delta_landing``) or unpacks it whole. A receiver notes the targets whose every message came
+with no change (``DeltaCounts.quiet``): their storages hold what they held, so what is derived from them
+(a kernel's form, a derived copy) need not be rebuilt.
 """
 
 from __future__ import annotations
@@ -39,6 +41,8 @@ class DeltaCounts:
     changed: int = 0
     messages_sent: int = 0
     messages_received: int = 0
+    quiet: set[str] = field(default_factory=set)
+    """As a receiver: the targets whose every delta message came with no change (mode NONE)."""
 
 
 def run_delta(
@@ -69,6 +73,8 @@ def run_delta(
     t = add("post", t)
     sent: dict[int, list[Pending]] = {}
     keep: list[torch.Tensor] = []  # heads on the wire
+    quiet: set[str] = set()  # targets of messages that came with no change
+    touched: set[str] = set()  # targets of messages that came with changes (or whole)
 
     def send(m: Message, parts: tuple[PartProgram, ...]) -> None:
         nonlocal t
@@ -150,7 +156,9 @@ def run_delta(
             counts.bytes_received[m.peer] = counts.bytes_received.get(m.peer, 0) + 16 + nbytes
             counts.messages_received += 1
             if mode == NONE:
+                quiet.update(p.name for p in parts)
                 continue
+            touched.update(p.name for p in parts)
             if (
                 mode not in (CODED, WHOLE)
                 or not 0 < nbytes <= m.nbytes
@@ -197,4 +205,5 @@ def run_delta(
     for r in sorted(sent):
         transport.wait(sent.pop(r))
     add("wait", t)
+    counts.quiet = quiet - touched
     return counts

@@ -169,9 +169,14 @@ class DeltaState:
         add: Callable[[str, float], float],
     ) -> DeltaCounts:
         """The messages of a delta sync (``delta_run.run_delta``); the shadow is whole again only at the end.
-        Takes a new sample."""
+        Takes a new sample. ``quiet`` of the counts: the targets no element of which changed (no copy within
+        this process wrote them either)."""
         self.shadow_valid = False  # updated in place as messages go: whole only at the end
         counts = run_delta(delta, shadow, slot, sources, targets, transport, add)
+        # targets also written by copies within the rank or from a peer in its process came whole
+        schedule = delta.program.schedule
+        copied = list(schedule.local) + [s for _, segs in schedule.handoff_from for s in segs]
+        counts.quiet -= {half.tensors[s.tensor].name for s in copied}
         self.shadow_valid = True
         self.sample = take_sample(half, sources)
         return counts

@@ -371,6 +371,7 @@ class Executor:
             delta_base=base,
             elements_compared=counts.compared,
             elements_changed=counts.changed,
+            unchanged_targets=frozenset(counts.quiet),
             delta_state_bytes=self.delta_state_bytes,
             estimated_changed_share=self.delta_state.share,
         )

@@ -80,6 +80,9 @@ class SyncStats:
     """A sender in a delta sync: the elements it compared with what it last sent."""
     elements_changed: int = 0
     """Of ``elements_compared``, those that had changed (bit for bit, in the dtype the receiver holds)."""
+    unchanged_targets: frozenset[str] = frozenset()
+    """A receiver in a delta sync: the targets no element of which changed (every message to them came
+    without a change): their storages hold what they held before the sync. Empty in a full sync."""
     delta_state_bytes: int = 0
     """The memory this rank keeps for delta syncs (a sender's shadow of what it last sent)."""
     estimated_changed_share: float | None = None
@@ -105,6 +108,7 @@ class SyncStats:
             "delta_base": self.delta_base,
             "elements_compared": self.elements_compared,
             "elements_changed": self.elements_changed,
+            "unchanged_targets": len(self.unchanged_targets),
             "delta_state_bytes": self.delta_state_bytes,
             "estimated_changed_share": self.estimated_changed_share,
         }

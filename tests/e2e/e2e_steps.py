@@ -31,6 +31,18 @@ def save_checkpoint(ctx: RankContext, out: str, model_dir: str) -> list[str]:
     return sorted(full)
 
 
+def negate(ctx: RankContext, name: str) -> int:
+    """Negate every element of parameter ``name`` this rank stores (its ZeRO-3 partition, or its replica),
+    and nothing else: the one parameter a following delta sync finds changed. Returns the elements."""
+    import torch
+
+    param = dict(ctx.state["engine"].module.named_parameters())[name]
+    data = param.ds_tensor if hasattr(param, "ds_tensor") else param.data
+    with torch.no_grad():
+        data.neg_()  # zeros become -0.0: a change of bits too
+    return int(data.numel())
+
+
 @dataclass
 class StepRecord:
     version: int
@@ -127,4 +139,12 @@ def pack(engine: Any) -> dict[str, int]:
     return {"linears": after[0]["linears"], "packed_by_vllm": before[0]["empty_weight"]}
 
 
-__all__ = ["DEFAULT_PROMPTS", "E2ERun", "check_steps", "fresh_engine_snapshot", "pack", "run_sync_steps"]
+__all__ = [
+    "DEFAULT_PROMPTS",
+    "E2ERun",
+    "check_steps",
+    "fresh_engine_snapshot",
+    "negate",
+    "pack",
+    "run_sync_steps",
+]

@@ -19,8 +19,8 @@ import pytest
 
 from testbed.deepspeed import DeepSpeedSpec
 from testbed.rank_pool import RankPool, free_port
-from testbed.trainer_ranks import attach, setup, train_step
-from tests.e2e.e2e_steps import TOKEN, TRAINER_ENV, fresh_engine_snapshot, pack, save_checkpoint
+from testbed.trainer_ranks import attach, setup, sync_now, train_step
+from tests.e2e.e2e_steps import TOKEN, TRAINER_ENV, fresh_engine_snapshot, negate, pack, save_checkpoint
 from tests.harness.vllm_engines import shared_spec
 from tests.vllm.rollout_checks import differing_params, snapshot
 from vllm_plugin.driver import apply_checkpoint, connect_engine, receive_sync, setup_engines
@@ -35,6 +35,17 @@ def _step(pool: RankPool, engine: Any, step: int) -> tuple[list[dict[str, Any]],
     workers = receive_sync([engine.llm])[0]
     trainer = pending.result(TIMEOUT * 2)
     return trainer, workers
+
+
+def _sync_now(pool: RankPool, engine: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """A sync without a training step before it (the trainer's records shaped as ``_step``'s)."""
+    pending = pool.submit(sync_now)
+    workers = receive_sync([engine.llm])[0]
+    return [{"sync": s} for s in pending.result(TIMEOUT * 2)], workers
+
+
+def _stats(trainer: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [t["sync"]["stats"] for t in trainer]
 
 
 def _bases(trainer: list[dict[str, Any]], workers: list[dict[str, Any]]) -> set[Any]:
@@ -77,6 +88,20 @@ def test_delta_syncs_move_only_changed_weights_and_leave_the_engine_bit_exact(
             # Every packed layer keeps its loaded form (the delta's base): their memory is reported.
             kept = [w["loaded_forms"]["kept_bytes"] for _, workers in steps for w in workers]
             assert all(k > 0 for k in kept) and len(set(kept)) == 1, kept
+            # Nothing changed since the last sync: every layer arrives unchanged, keeps its kernel's form
+            # and nothing derived is rebuilt; then one parameter changes: only its layer is rebuilt.
+            quiet = _sync_now(pool, engine)
+            assert _bases(*quiet) == {versions[-1]}, quiet
+            assert all(sum(s["bytes_sent"].values()) == 16 * s["messages_sent"] for s in _stats(quiet[0]))
+            forms = [w["loaded_forms"] for w in quiet[1]]
+            assert all(f["rebuilt"] == 0 and f["unchanged"] == packs["linears"] for f in forms), forms
+            assert all(w["refreshed"] == [] for w in quiet[1]), quiet[1]
+            pool.call(negate, "model.layers.0.mlp.down_proj.weight")
+            one = _sync_now(pool, engine)
+            assert _bases(*one) == {quiet[0][0]["sync"]["version"]}, one
+            forms = [w["loaded_forms"] for w in one[1]]
+            assert all(f["rebuilt"] == 1 and f["unchanged"] == packs["linears"] - 1 for f in forms), forms
+            assert all(w["refreshed"] == ["loaded form of model.layers.0.mlp.down_proj"] for w in one[1])
             synced = snapshot(engine)
             assert all(len(d) == packs["linears"] for d in synced.loaded), synced.loaded
             checkpoint = tmp_path / "step4"

@@ -109,14 +109,21 @@ def _fifty_delta_syncs(rank: int, world: int, group, seed: int, options: Execute
     state = Stepped(sc, rank)
     executor = Executor(group, options)
     out = []
+    before = state.expected()
     for version in range(51):
         if version:
             state.step(version, FRACTIONS[version % len(FRACTIONS)])
         stats = executor.execute(half, state.sources, state.targets)
         wrong = state.wrong()
         assert not wrong, f"seed {seed} rank {rank} sync {version}: wrong target elements in {wrong}"
+        # what a receiver reports unchanged holds exactly what it held before the sync
+        now = state.expected()
+        moved = sorted(n for n in stats.unchanged_targets if not bitwise_equal(now[n], before[n]))
+        assert not moved, f"seed {seed} rank {rank} sync {version}: reported unchanged, but changed: {moved}"
+        assert version or not stats.unchanged_targets  # a full sync writes every target
+        before = now
         executor.committed(version)
-        out.append(_summary(stats))
+        out.append({**_summary(stats), "unchanged": len(stats.unchanged_targets)})
     return out
 
 
@@ -154,6 +161,7 @@ def test_fifty_consecutive_delta_syncs_leave_every_target_equal_to_its_oracle(
         fraction = FRACTIONS[k % len(FRACTIONS)]
         if fraction == 0.0:
             assert changed == 0 and sent <= 16 * 400  # heads only
+            assert sum(results[r][k]["unchanged"] for r in range(world)) > 0
         if fraction >= 0.5:
             assert changed > compared // 4
     senders = [r for r in range(world) if results[r][0]["sent"]]

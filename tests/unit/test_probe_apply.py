@@ -148,6 +148,9 @@ class _Layers:
     def close(self, layer: str) -> None:
         self.events.append(f"close {layer}")
 
+    def close_unchanged(self, layer: str) -> None:
+        self.events.append(f"keep {layer}")
+
     def discard(self) -> list[str]:
         self.events.append("discard")
         return []
@@ -238,3 +241,49 @@ def test_kept_loaded_forms_are_written_like_storage_and_hold_the_base_only_once_
     session.mark_written("k")
     assert layers.events == ["open attn.qkv", "close attn.qkv"]  # rebuilt once complete, as when streamed
     assert [layer for layer, _ in seen] == ["attn.qkv"]
+
+
+def test_a_kept_layer_that_arrived_unchanged_is_closed_without_a_rebuild():
+    layers, seen = _Layers(keeping=True), []
+    layers.kept.add("attn.qkv")
+    session, _ = _transient_session(layers, seen)
+    for name in ("q", "k", "norm"):
+        session.storage(name)
+    session.mark_unchanged("q")
+    assert layers.events == ["open attn.qkv"]  # k has not arrived yet
+    session.mark_unchanged("k")
+    session.mark_unchanged("norm")
+    assert layers.events == ["open attn.qkv", "keep attn.qkv"] and seen == []
+    assert session.finish() == []
+
+
+def test_a_kept_layer_with_one_changed_tensor_is_rebuilt_and_derived_copies_follow_changes_only():
+    layers, seen = _Layers(keeping=True), []
+    layers.kept.add("attn.qkv")
+    session, params = _transient_session(layers, seen)
+    refreshed: list[str] = []
+    session.derived = [DerivedCopy("norm copy", frozenset({"n"}), lambda: refreshed.append("norm"), False)]
+    session.storage("q").fill_(1)
+    session.storage("k")
+    session.mark_written("q")
+    session.mark_unchanged("k")
+    session.mark_unchanged("norm")
+    assert layers.events == ["open attn.qkv", "close attn.qkv"] and [layer for layer, _ in seen] == ["attn.qkv"]
+    assert session.finish() == ["loaded form of attn.qkv"] and refreshed == []
+
+
+def test_only_storage_that_outlives_updates_can_arrive_unchanged():
+    layers, seen = _Layers(keeping=False), []
+    session, _ = _transient_session(layers, seen)
+    with pytest.raises(IncompleteUpdateError, match=r"tensor 'q' cannot be unchanged"):
+        session.mark_unchanged("q")  # a streamed loaded form is made anew at each update
+    plain, _ = _session([])
+    with pytest.raises(IncompleteUpdateError, match=r"tensor 'odd' cannot be unchanged"):
+        plain.mark_unchanged("odd")  # a staging buffer
+    prepack = DerivedCopy("prepack", frozenset({"w13"}), lambda: None, True)
+    packed, _ = _session([prepack])
+    assert not packed.persistent("gate")  # the parameter holds the prepacked layout between updates
+    with pytest.raises(IncompleteUpdateError, match=r"tensor 'gate' cannot be unchanged"):
+        packed.mark_unchanged("gate")
+    with pytest.raises(KeyError):
+        plain.mark_unchanged("lm_head.weight")
