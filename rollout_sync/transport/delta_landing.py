@@ -136,12 +136,20 @@ def _flat(storage: torch.Tensor) -> torch.Tensor:
 
 
 def apply_changes(
-    payload: torch.Tensor, landing: Landing, targets: Targets, elements: int, scratch: Scratch | None = None
+    payload: torch.Tensor,
+    landing: Landing,
+    targets: Targets,
+    elements: int,
+    scratch: Scratch | None = None,
+    touched: set[str] | None = None,
 ) -> int:
     """Write a coded message's changes into the targets (the message has ``elements`` elements); returns how
-    many elements changed. On CPU with a ``scratch`` through NumPy, else torch."""
+    many elements changed, and adds to ``touched`` the targets at least one of them landed in. On CPU with
+    a ``scratch`` through NumPy, else torch."""
+    if touched is None:
+        touched = set()
     if payload.device.type != "cpu" or scratch is None:
-        return _apply_torch(payload, landing, targets, elements)
+        return _apply_torch(payload, landing, targets, elements, touched)
     data = payload.numpy()
     positions = decode_positions_into(data, scratch)
     n = positions.size
@@ -155,6 +163,7 @@ def apply_changes(
         a, b = int(bounds[first]), int(bounds[end])
         if a == b:
             continue
+        touched.add(landing.names[name])
         flat = _flat(targets.get(landing.names[name]))
         if flat.device.type != "cpu" or flat.dtype != landing.wire:  # cast, or move, per target
             index = torch.from_numpy(offsets[a:b]).to(flat.device)
@@ -173,13 +182,16 @@ def apply_changes(
     return n
 
 
-def _apply_torch(payload: torch.Tensor, landing: Landing, targets: Targets, elements: int) -> int:
+def _apply_torch(
+    payload: torch.Tensor, landing: Landing, targets: Targets, elements: int, touched: set[str]
+) -> int:
     positions = decode_positions(payload).cpu()  # the landing's tables live on CPU
     if positions.numel() and not 0 <= int(positions[-1]) < elements:
         raise ValueError(f"a delta payload names element {int(positions[-1])} of a message of {elements}")
     name_index, offsets = landing.locate(positions)
     names, counts = torch.unique_consecutive(name_index, return_counts=True)
     bounds = [0, *torch.cumsum(counts, 0).tolist()]
+    touched.update(landing.names[int(i)] for i in names)
     flats = [_flat(targets.get(landing.names[int(i)])) for i in names]
     indices = [offsets[a:b].to(flat.device) for flat, a, b in zip(flats, bounds, bounds[1:], strict=False)]
     old = torch.empty(positions.numel(), dtype=landing.wire, device=payload.device)

@@ -158,7 +158,10 @@ def run_delta(
             if mode == NONE:
                 quiet.update(p.name for p in parts)
                 continue
-            touched.update(p.name for p in parts)
+            if mode == WHOLE:
+                touched.update(p.name for p in parts)
+            else:  # the parts the changes land in are touched (``apply_changes``)
+                quiet.update(p.name for p in parts)
             if (
                 mode not in (CODED, WHOLE)
                 or not 0 < nbytes <= m.nbytes
@@ -186,7 +189,7 @@ def run_delta(
                     )
                 try:
                     landing = delta.landing(m, parts, itemsize)
-                    apply_changes(buf, landing, targets, m.nbytes // itemsize, delta.scratch)
+                    apply_changes(buf, landing, targets, m.nbytes // itemsize, delta.scratch, touched)
                 except ValueError as e:
                     raise WireFormatError(
                         f"rank {transport.rank}: message {m.round} from rank {m.peer}: {e}"

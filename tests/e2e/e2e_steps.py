@@ -31,16 +31,26 @@ def save_checkpoint(ctx: RankContext, out: str, model_dir: str) -> list[str]:
     return sorted(full)
 
 
-def negate(ctx: RankContext, name: str) -> int:
-    """Negate every element of parameter ``name`` this rank stores (its ZeRO-3 partition, or its replica),
-    and nothing else: the one parameter a following delta sync finds changed. Returns the elements."""
+def negate(ctx: RankContext, name: str, every: int = 67) -> int:
+    """Negate every ``every``-th element of parameter ``name`` (a step prime to the row lengths of the tiny
+    models, so every shard of it is reached) and nothing else: the one parameter a following delta sync
+    finds changed. Under ZeRO-3 through ``GatheredParameters(modifier_rank=0)``, DeepSpeed's way to modify a
+    partitioned parameter (a small one stays gathered: its partition and its gathered copy both change).
+    Collective. Returns the elements negated."""
+    import deepspeed
     import torch
 
     param = dict(ctx.state["engine"].module.named_parameters())[name]
-    data = param.ds_tensor if hasattr(param, "ds_tensor") else param.data
     with torch.no_grad():
-        data.neg_()  # zeros become -0.0: a change of bits too
-    return int(data.numel())
+        if not hasattr(param, "ds_tensor"):
+            chosen = param.data.view(-1)[::every]
+            chosen.neg_()  # zeros become -0.0: a change of bits too
+            return int(chosen.numel())
+        with deepspeed.zero.GatheredParameters([param], modifier_rank=0):
+            chosen = param.data.view(-1)[::every]
+            if ctx.rank == 0:
+                chosen.neg_()
+            return int(chosen.numel())
 
 
 @dataclass

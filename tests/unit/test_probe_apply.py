@@ -260,7 +260,7 @@ def test_a_kept_layer_that_arrived_unchanged_is_closed_without_a_rebuild():
 def test_a_kept_layer_with_one_changed_tensor_is_rebuilt_and_derived_copies_follow_changes_only():
     layers, seen = _Layers(keeping=True), []
     layers.kept.add("attn.qkv")
-    session, params = _transient_session(layers, seen)
+    session, _ = _transient_session(layers, seen)
     refreshed: list[str] = []
     session.derived = [DerivedCopy("norm copy", frozenset({"n"}), lambda: refreshed.append("norm"), False)]
     session.storage("q").fill_(1)
@@ -268,7 +268,9 @@ def test_a_kept_layer_with_one_changed_tensor_is_rebuilt_and_derived_copies_foll
     session.mark_written("q")
     session.mark_unchanged("k")
     session.mark_unchanged("norm")
-    assert layers.events == ["open attn.qkv", "close attn.qkv"] and [layer for layer, _ in seen] == ["attn.qkv"]
+    assert layers.events == ["open attn.qkv", "close attn.qkv"] and [layer for layer, _ in seen] == [
+        "attn.qkv"
+    ]
     assert session.finish() == ["loaded form of attn.qkv"] and refreshed == []
 
 
