@@ -48,7 +48,7 @@ from typing import Any
 import torch
 
 from rollout_sync.errors import UnsupportedLayoutError
-from rollout_sync.rollout.apply import covered_ranges, uncovered_ranges
+from rollout_sync.rollout.apply import REBUILD_ROOM, covered_ranges, uncovered_ranges
 from rollout_sync.rollout.storage_view import StorageView
 
 from .layer_memory import LayerMemory
@@ -197,10 +197,11 @@ class LoadedForms:
 
     def room_bytes(self) -> int:
         """Beside the staging slots: the buffers the loaded forms keep with one layer open (one per distinct
-        size of their tensors) and the largest loaded form, for what a rebuild allocates."""
+        size of their tensors) and ``REBUILD_ROOM`` times the largest loaded form, for what a rebuild
+        allocates (``UpdateSession.reserve_bytes``)."""
         sizes = {size for layer in self.layers for size in self.memory.sizes(layer, self._info(layer))}
         largest = max((self.loaded_bytes(layer) for layer in self.layers), default=0)
-        return sum(n for n, _ in sizes) + largest
+        return sum(n for n, _ in sizes) + REBUILD_ROOM * largest
 
     # ---------------------------------------------------------------------------------------- setup
 
