@@ -7,12 +7,13 @@ No vLLM import: storages are plain tensors (views of the engine's parameters, lo
 An update is one ``UpdateSession``: ``storage(name)`` hands out the view to receive into (a staging
 buffer for a refused tensor), ``mark_written(name)`` records what arrived (``mark_unchanged(name)``: it all
 arrived and none of it changed, in a delta sync), and ``finish()`` loads the staging buffers through the
-full-tensor path, then rebuilds every derived copy whose parameters were written. A layer whose storage exists only during an update (``TransientLayers``: a loaded form that the
-engine turns into a kernel's form) is opened at the first ``storage`` call for one of its tensors and
-closed (rebuilt, freed) by the ``mark_written`` of its last one, so layers stream through memory in the
-order the tensors arrive. A derived copy that lives *in place* of its parameter (vLLM's CPU MoE prepack: same shape, other
-layout) can only be rebuilt from a parameter written whole; ``finish`` refuses a partial write of one
-(``IncompleteUpdateError``) rather than mix layouts.
+full-tensor path, then rebuilds every derived copy whose parameters were written. A layer whose storage
+exists only during an update (``TransientLayers``: a loaded form that the engine turns into a kernel's form)
+is opened at the first ``storage`` call for one of its tensors and closed (rebuilt, freed) by the
+``mark_written`` of its last one, so layers stream through memory in the order the tensors arrive. A derived
+copy that lives *in place* of its parameter (vLLM's CPU MoE prepack: same shape, other layout) can only be
+rebuilt from a parameter written whole; ``finish`` refuses a partial write of one (``IncompleteUpdateError``)
+rather than mix layouts.
 """
 
 from __future__ import annotations
@@ -230,7 +231,6 @@ class UpdateSession:
         self.pending: dict[str, set[str]] = {}  # open layer -> its tensors not yet written
         self.opened: dict[str, Mapping[str, torch.Tensor]] = {}
         self.rebuilt: list[str] = []
-        self.kept_as_is: list[str] = []  # transient layers closed unchanged, not rebuilt
 
     def held_bytes(self) -> int:
         """The memory the transient layers' loaded forms hold now (open, or kept to be reused)."""
@@ -357,7 +357,6 @@ class UpdateSession:
         tensors = self.opened.pop(layer)
         if self.layer_tensors[layer] <= self.unchanged:
             self.transient.close_unchanged(layer)
-            self.kept_as_is.append(layer)
             return
         if self.on_loaded is not None:
             self.on_loaded(layer, tensors)
