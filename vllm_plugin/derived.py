@@ -45,7 +45,8 @@ def _cpu_moe_refresh(layer: torch.nn.Module, isa: str, zero: Mapping[str, Sequen
     from vllm._custom_ops import cpu_prepack_moe_weight
 
     def refresh() -> None:
-        with torch.no_grad(), reusing_released_memory():
+        # not in ``heap``'s window: the prepacked copy is a temporary, which the window would keep resident
+        with torch.no_grad():
             for attr in ("w13_weight", "w2_weight"):
                 param = getattr(layer, attr)
                 flat = param.data.view(-1)
