@@ -16,15 +16,7 @@ ends up once a 32 MiB block has been freed: mmap threshold 32 MiB, trim threshol
 (left where they were, a process that had not yet freed a large block would keep mapping every allocation
 above 128 KiB afresh: measured, a 6 MB oneDNN handle then took 1,537 page faults and 7.3-8.1 ms per build
 instead of none and 3.7 ms). Allocations of other threads meanwhile come from their own arenas, which
-still map what does not fit.
-
-The reuse is not certain: where the new form does not fit in the freed block (oneDNN asks for aligned
-memory, which needs some slack, and the block's neighbours may be in use), glibc takes fresh memory from the
-top of its heap and the old block stays free but resident (measured once in six same-host syncs: a worker
-155 MB larger after the sync). So on leaving, when the heap holds more than ``RETAINED_SLACK`` free bytes than
-on entering (``mallinfo2``), ``malloc_trim(0)`` hands the free pages back to the operating system (2-4 ms
-with thousands of free blocks): the window never keeps memory it did not reuse. A no-op where the C library
-is not glibc.
+still map what does not fit. A no-op where the C library is not glibc.
 """
 
 from __future__ import annotations
@@ -45,64 +37,38 @@ _MMAP_AFTER = 32 << 20  # the most glibc's dynamic mmap threshold reaches (and t
 _TRIM_AFTER = 2 * _MMAP_AFTER  # its dynamic trim threshold at that point
 _KEEP_FREED = 2**31 - 1  # the most mallopt takes (an int): free heap memory up to 2 GiB stays
 
-RETAINED_SLACK = 8 << 20  # free heap bytes a window may add before it trims (allocator noise stays below)
+_mallopt: Any = None
 
 
-class _MallInfo2(ctypes.Structure):
-    _fields_ = [
-        (name, ctypes.c_size_t)
-        for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks")
-    ] + [("fordblks", ctypes.c_size_t), ("keepcost", ctypes.c_size_t)]
-
-
-class _Glibc:
-    """The three glibc calls the window makes."""
-
-    def __init__(self, libc: Any) -> None:
-        self.mallopt = libc.mallopt
-        self.mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
-        self.mallopt.restype = ctypes.c_int
-        self.mallinfo2 = libc.mallinfo2  # glibc 2.33 and later
-        self.mallinfo2.argtypes = []
-        self.mallinfo2.restype = _MallInfo2
-        self.malloc_trim = libc.malloc_trim
-        self.malloc_trim.argtypes = [ctypes.c_size_t]
-        self.malloc_trim.restype = ctypes.c_int
-
-    def free_bytes(self) -> int:
-        """Bytes free in the heaps of every arena (the top chunks included)."""
-        return int(self.mallinfo2().fordblks)
-
-
-_glibc: _Glibc | bool | None = None  # False: not glibc
-
-
-def _load() -> _Glibc | None:
-    """glibc's calls, or None where the process does not run on glibc (2.33 or later)."""
-    global _glibc
-    if _glibc is None:
-        _glibc = False
+def _glibc_mallopt() -> Any:
+    """glibc's ``mallopt``, or False where the process does not run on glibc."""
+    global _mallopt
+    if _mallopt is None:
+        _mallopt = False
         if platform.system() == "Linux" and platform.libc_ver()[0] == "glibc":
-            with contextlib.suppress(OSError, AttributeError):
-                _glibc = _Glibc(ctypes.CDLL(None))
-    return _glibc if isinstance(_glibc, _Glibc) else None
+            try:
+                fn = ctypes.CDLL(None).mallopt
+            except (OSError, AttributeError):
+                fn = None
+            if fn is not None:
+                fn.argtypes = [ctypes.c_int, ctypes.c_int]
+                fn.restype = ctypes.c_int
+                _mallopt = fn
+    return _mallopt
 
 
 @contextlib.contextmanager
 def reusing_released_memory() -> Iterator[None]:
     """Within: the calling thread's large allocations reuse freed heap memory instead of fresh pages."""
-    libc = _load()
-    if libc is None:
+    mallopt = _glibc_mallopt()
+    if not mallopt:
         yield
         return
-    free_before = libc.free_bytes()
-    libc.mallopt(_M_TRIM_THRESHOLD, _KEEP_FREED)
-    libc.mallopt(_M_MMAP_MAX, 0)
+    mallopt(_M_TRIM_THRESHOLD, _KEEP_FREED)
+    mallopt(_M_MMAP_MAX, 0)
     try:
         yield
     finally:
-        libc.mallopt(_M_MMAP_THRESHOLD, _MMAP_AFTER)
-        libc.mallopt(_M_TRIM_THRESHOLD, _TRIM_AFTER)
-        libc.mallopt(_M_MMAP_MAX, _DEFAULT_MMAP_MAX)
-        if libc.free_bytes() - free_before > RETAINED_SLACK:  # a freed block was not reused: let it go
-            libc.malloc_trim(0)
+        mallopt(_M_MMAP_THRESHOLD, _MMAP_AFTER)
+        mallopt(_M_TRIM_THRESHOLD, _TRIM_AFTER)
+        mallopt(_M_MMAP_MAX, _DEFAULT_MMAP_MAX)
