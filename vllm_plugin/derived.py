@@ -45,8 +45,7 @@ def _cpu_moe_refresh(layer: torch.nn.Module, isa: str, zero: Mapping[str, Sequen
     from vllm._custom_ops import cpu_prepack_moe_weight
 
     def refresh() -> None:
-        # not in ``heap``'s window: the prepacked copy is a temporary, which the window would keep resident
-        with torch.no_grad():
+        with torch.no_grad(), reusing_released_memory():
             for attr in ("w13_weight", "w2_weight"):
                 param = getattr(layer, attr)
                 flat = param.data.view(-1)
