@@ -30,8 +30,6 @@ import torch
 from rollout_sync.rollout.apply import DerivedCopy, covered_ranges, uncovered_ranges
 from rollout_sync.rollout.storage_view import StorageView
 
-from .heap import reusing_released_memory
-
 __all__ = ["derived_copies"]
 
 
@@ -45,7 +43,7 @@ def _cpu_moe_refresh(layer: torch.nn.Module, isa: str, zero: Mapping[str, Sequen
     from vllm._custom_ops import cpu_prepack_moe_weight
 
     def refresh() -> None:
-        with torch.no_grad(), reusing_released_memory():
+        with torch.no_grad():
             for attr in ("w13_weight", "w2_weight"):
                 param = getattr(layer, attr)
                 flat = param.data.view(-1)
@@ -70,12 +68,9 @@ def _dense_dispatch_refresh(layer: torch.nn.Module) -> Any:
 
         # Release the old packed copy before the new one is made: beside it, the rebuild would hold the
         # layer's packed weight twice (measured: 311 MB more at the peak for Qwen3-0.6B's tied lm_head at
-        # TP 1), and the new one is built in the memory the old one released (``heap``: the tied lm_head's
-        # is far above glibc's mmap threshold). The layer keeps its plain weight, so the plain GEMM serves
-        # should the dispatch fail.
-        with reusing_released_memory():
-            setattr(layer, "cpu_linear", torch.nn.functional.linear)  # noqa: B010 - not a tensor attribute
-            dispatch_cpu_unquantized_gemm(layer, remove_weight=False)
+        # TP 1). The layer keeps its plain weight, so the plain GEMM serves should the dispatch fail.
+        setattr(layer, "cpu_linear", torch.nn.functional.linear)  # noqa: B010 - not a tensor attribute
+        dispatch_cpu_unquantized_gemm(layer, remove_weight=False)
 
     return refresh
 

@@ -51,7 +51,6 @@ from rollout_sync.errors import UnsupportedLayoutError
 from rollout_sync.rollout.apply import REBUILD_ROOM, covered_ranges, uncovered_ranges
 from rollout_sync.rollout.storage_view import StorageView
 
-from .heap import reusing_released_memory
 from .layer_memory import LayerMemory
 
 __all__ = ["LoadedForms", "transformed_layers"]
@@ -317,8 +316,7 @@ class LoadedForms:
             self._to_loaded_form(layer)
         info = layerwise.get_layerwise_info(layer.module)
         try:
-            # the new kernel's form in the memory the old one released (``heap``)
-            with torch.no_grad(), reusing_released_memory():
+            with torch.no_grad():
                 if self.keeping:
                     self.memory.materialize(name, layer.module, info)
                     prefix = f"{name}." if name else ""
