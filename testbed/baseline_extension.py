@@ -8,7 +8,10 @@ the loads and ``finalize_layerwise_reload`` after them.
 
 ``BenchExtension`` is ``RolloutSyncExtension`` plus the baseline's two methods and a receive of ours wrapped
 in the same peak-memory measurement (``testbed.peak_memory``), so that both methods are measured
-alike inside the worker. Start the engine with
+alike inside the worker. The baseline's methods are not named ``rollout_sync_*``: they are what an RL
+framework's own worker extension does, so vLLM's engine core waits for their replies as stock vLLM does
+(spinning for a second after its previous read), not idle as it does for rollout-sync's calls
+(``vllm_plugin.quiet_wait``). Start the engine with
 ``worker_extension_cls="testbed.baseline_extension.BenchExtension"``.
 """
 
@@ -28,9 +31,9 @@ _DTYPES = ("bfloat16", "float16", "float32")
 
 
 class BenchExtension(RolloutSyncExtension):
-    rollout_sync_baseline_group: Any = None
+    openrlhf_baseline_group: Any = None
 
-    def rollout_sync_baseline_connect(
+    def openrlhf_baseline_connect(
         self, host: str, port: int, world_size: int, first_rank: int, timeout: float = 300.0
     ) -> int:
         """Join the baseline's group as rank ``first_rank + tp_rank``; returns that rank."""
@@ -40,22 +43,20 @@ class BenchExtension(RolloutSyncExtension):
 
         rank = first_rank + get_tp_group().rank_in_group
         store = connect_store(host, port, world_size, is_master=False, timeout=timeout)
-        self.rollout_sync_baseline_group = new_group(
+        self.openrlhf_baseline_group = new_group(
             store, rank, world_size, timeout=timeout, prefix="rollout-sync-baseline"
         )
         return rank
 
-    def rollout_sync_baseline_receive(
-        self, tensors: Sequence[tuple[str, Sequence[int], str]]
-    ) -> dict[str, Any]:
+    def openrlhf_baseline_receive(self, tensors: Sequence[tuple[str, Sequence[int], str]]) -> dict[str, Any]:
         """Receive every ``(name, shape, dtype)`` from group rank 0 in order and load it through vLLM's own
         ``load_weights``; then rebuild derived copies. Returns seconds, received bytes and peak extra RSS."""
         import torch
         import torch.distributed as dist
 
-        group = self.rollout_sync_baseline_group
+        group = self.openrlhf_baseline_group
         if group is None:
-            raise IncompleteUpdateError("rollout_sync_baseline_connect has not run on this worker")
+            raise IncompleteUpdateError("openrlhf_baseline_connect has not run on this worker")
         worker = self.rollout_sync_get()
         model = self.model_runner.model  # type: ignore[attr-defined]
         reload = worker.loaded_forms is not None

@@ -1,6 +1,7 @@
 """Entry point of the ``vllm.general_plugins`` group (declared in ``pyproject.toml``): registers the
 ``rollout_sync`` weight-transfer backend with vLLM, so that ``weight_transfer_config={"backend":
-"rollout_sync"}`` (``--weight-transfer-config '{"backend": "rollout_sync"}'``) selects it.
+"rollout_sync"}`` (``--weight-transfer-config '{"backend": "rollout_sync"}'``) selects it, and makes the
+engine core wait idle for its workers' replies to rollout-sync's calls (``quiet_wait``).
 
 vLLM loads general plugins in every process (driver, engine core, workers), possibly several times per
 process: registration is idempotent. The engine module is imported lazily, only where an engine is
@@ -16,6 +17,10 @@ BACKEND = "rollout_sync"
 
 def register() -> None:
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+    from .quiet_wait import install
+
+    install()
 
     registry = getattr(WeightTransferEngineFactory, "_registry", {})
     if BACKEND in registry:

@@ -567,13 +567,13 @@ def run_row(
             port = free_port()
             world = 1 + TP
             pending = pool.submit(baseline_connect, "127.0.0.1", port, world, timeout)
-            llm.collective_rpc("rollout_sync_baseline_connect", args=("127.0.0.1", port, world, 1, timeout))
+            llm.collective_rpc("openrlhf_baseline_connect", args=("127.0.0.1", port, world, 1, timeout))
             pending.result(timeout * 2)
             specs = pool.call(param_specs)[0]
 
             def baseline_once(i: int) -> tuple[list[Any], list[Any]]:
                 pending = pool.submit(baseline_sync)
-                w = llm.collective_rpc("rollout_sync_baseline_receive", args=(specs,))
+                w = llm.collective_rpc("openrlhf_baseline_receive", args=(specs,))
                 return pending.result(timeout * 4), w
 
             baseline, base_changed = _measure(f"{trainer} baseline", baseline_once, warmup, syncs, llm, pool)
