@@ -25,16 +25,17 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["QUIET_PREFIX", "install", "is_quiet_call", "quiet_replies", "wrap"]
+from .calls import PREFIX
 
-QUIET_PREFIX = "rollout_sync_"
+__all__ = ["install", "is_quiet_call", "quiet_replies", "wrap"]
+
 _MARK = "_rollout_sync_quiet_wait"
 
 
 def is_quiet_call(method: object) -> bool:
     """Whether the engine core waits idle for ``method``'s replies: rollout-sync's worker calls (the
     extension's ``rollout_sync_*`` methods, every call of the driver goes through ``rollout_sync_call``)."""
-    return isinstance(method, str) and method.startswith(QUIET_PREFIX)
+    return isinstance(method, str) and method.startswith(PREFIX)
 
 
 def quiet_replies(executor: Any) -> int:

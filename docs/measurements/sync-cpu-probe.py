@@ -63,7 +63,6 @@ def main():
             llm.reset_prefix_cache()
             dt = time.perf_counter() - t0; c1 = cpu(names)
             d = {k: round(c1[k] - c0[k], 3) for k in names}
-            ph = w[0].get("phases") or w[0].get("seconds")
             print(f"sync {i}: {dt:.3f} s cpu {d} total {sum(d.values()):.2f}", file=sys.stderr)
             rows.append((dt, d))
             if perf is not None and i == N - 1:
