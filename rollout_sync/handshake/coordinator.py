@@ -27,6 +27,7 @@ from typing import Any
 import zmq
 
 from ..errors import HandshakeError, SyncTimeoutError, WireFormatError
+from ..transport.network import is_loopback
 from .messages import ABORT, HELLO, READY, REFUSED, WELCOME, Message, decode, encode
 
 TRAINER = "trainer"
@@ -206,7 +207,7 @@ class Coordinator:
                 missing = ", ".join(waiting_for())
                 self.abort(f"handshake timed out after {self.timeout:.0f} s waiting for {missing}")
                 raise SyncTimeoutError(
-                    f"handshake timed out after {self.timeout:.0f} s waiting for {missing}"
+                    f"handshake timed out after {self.timeout:.0f} s waiting for {missing}{self._hint()}"
                 )
             identity, *frames = self._sock.recv_multipart()
             try:
@@ -216,6 +217,18 @@ class Coordinator:
             if not hmac.compare_digest(message.token.encode(), self._token.encode()):
                 self._refuse(identity, "wrong token: the peer's token does not match the coordinator's")
             return identity, message
+
+    def _hint(self) -> str:
+        """Why peers on other hosts may not have arrived: the coordinator listens on loopback only."""
+        endpoint = self._sock.getsockopt(zmq.LAST_ENDPOINT)
+        bound = endpoint.decode() if isinstance(endpoint, bytes) else str(endpoint)
+        host = bound.rsplit(":", 1)[0].removeprefix("tcp://")
+        if not is_loopback(host):
+            return ""
+        return (
+            f" (the coordinator listens on {bound}, a loopback address: {self.host!r} resolves to it here, so "
+            "peers on other hosts cannot connect; name it by an address they reach)"
+        )
 
     def _refuse(self, identity: bytes, reason: str) -> Any:
         """Reply REFUSED to the offender, ABORT to the admitted peers, and raise HandshakeError."""

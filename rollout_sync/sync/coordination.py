@@ -21,8 +21,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import BackendDeviceError, PlanMismatchError
-from ..handshake import ROLLOUT, TRAINER, Coordinator
+from ..errors import BackendDeviceError, HandshakeError, PlanMismatchError
+from ..handshake import ROLLOUT, TRAINER, Coordinator, PeerInfo
 from ..layout.combine import alone, merge
 from ..layout.maps import TensorMap
 from ..planning.plan import Plan
@@ -31,6 +31,7 @@ from ..planning.policy import Balanced, ReplicaPolicy
 from ..planning.wire import decode_maps, encode_half
 from ..rollout.targets import check_engine_coverage
 from ..transport.groups import connect_store
+from ..transport.network import is_loopback
 from .roster import RosterEntry, encode_roster
 
 
@@ -81,6 +82,29 @@ def check_backend(backend: str, devices: Mapping[str, object], *, ipc: bool = Fa
             f"the sync group's backend {backend!r} carries {want} tensors only: {listed}"
             + (f" (use {hint})" if hint else "")
         )
+
+
+def check_reachable(roster: Sequence[RosterEntry], peers: Sequence[PeerInfo], address: str) -> None:
+    """Refuse (``HandshakeError``, before the group is built) a rank whose group connections would listen
+    on a loopback address while a peer of the group sits in another network namespace or on another host:
+    that peer would be refused and wait. A rank binds its route to the coordinator, so this happens when
+    the coordinator is named by a loopback address (``tcp://127.0.0.1:...``, or a hostname that resolves
+    to one) on a host that not every peer shares."""
+    networks = {e.rank: str(p.fields.get("network", "")) for e, p in zip(roster, peers, strict=True)}
+    for e, p in zip(roster, peers, strict=True):
+        bind = str(p.fields.get("bind", ""))
+        if not is_loopback(bind):
+            continue
+        mine = networks[e.rank]
+        away = [o for o in roster if mine and networks[o.rank] and networks[o.rank] != mine]
+        if away:
+            others = ", ".join(f"{o.role} ({o.host})" for o in away[:4]) + (", ..." if len(away) > 4 else "")
+            raise HandshakeError(
+                f"{e.role} on {e.host} reaches the coordinator {address} over loopback ({bind}), so its sync "
+                f"connections would listen on loopback, but {others} run on another host or network "
+                "namespace and could not connect: name the coordinator by an address every host reaches "
+                "(its hostname or its IP on the shared network), on every rank"
+            )
 
 
 def locality(places: Mapping[int, tuple[str, int]]) -> tuple[list[list[int]], list[list[int]]]:
@@ -136,7 +160,6 @@ def coordinate(
     coord: Coordinator,
     *,
     policy: ReplicaPolicy = "balanced",
-    store_host: str = "127.0.0.1",
     backend: str = "gloo",
     timeout: float = 120.0,
     cache: PlanCache | None = DEFAULT_PLAN_CACHE,
@@ -165,17 +188,19 @@ def coordinate(
                 p.local_rank,
                 str(p.fields.get("host", "")),
                 int(p.fields.get("pid", 0) or 0),
+                str(p.fields.get("machine", "")),
             )
             for p in peers
         ]
-        one_host = len({e.host for e in roster}) == 1 and all(e.host for e in roster)
+        check_reachable(roster, peers, coord.address)
+        one_host = len({e.machine for e in roster}) == 1 and all(e.machine for e in roster)
         check_backend(
             backend,
             {e.role: p.fields.get("device") for e, p in zip(roster, peers, strict=True)},
             ipc=shared_memory and not delta and one_host,
         )
         rollout = [p for p in peers if p.role == ROLLOUT]
-        places = {e.rank: (e.host, e.pid) for e in roster if e.host}
+        places = {e.rank: (e.machine, e.pid) for e in roster if e.machine}
         if policy == "balanced":  # nearest holders first (a colocated trainer rank copies in its own process)
             policy_used: ReplicaPolicy = Balanced(places)
         else:
@@ -215,13 +240,13 @@ def coordinate(
 
         plan, reused = cache.get_or_build(version, build) if cache is not None else (build(), False)
         world = coord.world_size
-        store = connect_store(store_host, 0, world, is_master=True, timeout=timeout)
+        # the store listens on every interface; each peer reaches it as it reached the coordinator
+        store = connect_store(coord.host, 0, world, is_master=True, timeout=timeout)
         common = {
             "group_id": secrets.token_hex(8),  # names this group in ranks' in-process mailboxes
             "roster": encode_roster(roster),
             "world_size": world,
             "trainer_ranks": coord.trainer_world,
-            "store_host": store_host,
             "store_port": int(store.port),
             "backend": backend,
             "shared_memory": shared_memory,

@@ -24,6 +24,7 @@ from ..planning.wire import decode_half
 from ..transport import ExecuteOptions, Executor, SyncStats
 from ..transport.groups import connect_store, new_group
 from ..transport.in_process import InProcess
+from ..transport.network import route_source, split_address
 from ..transport.shared_memory import SameHost
 from ..transport.targets import TargetStream
 from .commit import commit
@@ -93,6 +94,8 @@ class Endpoint:
         timeout: float = 120.0,
         options: ExecuteOptions | None = None,
     ) -> Endpoint:
+        host, port = split_address(address)
+        bind = route_source(host, port)  # the local address that reaches the coordinator: the group's
         peer = Peer(address, token=token, timeout=timeout)
         try:
             welcome = peer.hello(
@@ -100,7 +103,7 @@ class Endpoint:
                 group=group,
                 local_rank=local_rank,
                 local_size=local_size,
-                fields={**this_process(), **dict(fields or {})},
+                fields={**this_process(), "bind": bind, **dict(fields or {})},
                 payload=payload,
             )
             f = welcome.fields
@@ -113,10 +116,9 @@ class Endpoint:
                     f"expected rank {rank} of plan {str(f['digest'])[:12]}"
                 )
             try:
-                store = connect_store(
-                    str(f["store_host"]), int(f["store_port"]), world, is_master=False, timeout=timeout
-                )
-                pg = new_group(store, rank, world, backend=str(f["backend"]), timeout=timeout)
+                # the store runs beside the coordinator, on every interface: reached as the coordinator is
+                store = connect_store(host, int(f["store_port"]), world, is_master=False, timeout=timeout)
+                pg = new_group(store, rank, world, backend=str(f["backend"]), timeout=timeout, bind=bind)
             except Exception as exc:
                 peer.failed(f"rank {rank} could not join the sync group: {exc}")
                 raise

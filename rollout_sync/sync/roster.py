@@ -1,7 +1,8 @@
 """Who is who in a sync group, and which peer a failed sync is to blame on.
 
 The coordinator knows every rank's place (trainer rank, or engine ``e`` worker ``w``) and each peer's
-process (host and pid, from its hello); it sends this roster in every welcome. When a sync fails, a rank
+process (hostname, pid and machine key, from its hello: ``sync.machine``); it sends this roster in every
+welcome. Ranks share a machine when their machine keys are equal, never by hostname alone. When a sync fails, a rank
 names the peers at fault: the ranks the error names (``sending to rank 3``, a commit record of rank 3), and
 the peers on this host whose process is gone (an allgather that failed says only that *a* peer left). With
 no such evidence it lists every engine with its ranks, so an error never leaves the engines unnamed.
@@ -18,6 +19,8 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from .machine import machine_key, network_key
 
 __all__ = [
     "GRACE_S",
@@ -38,8 +41,9 @@ class RosterEntry:
     rank: int  # global rank in the sync group
     engine: int | None  # None for trainer ranks
     local_rank: int  # the trainer rank, or the worker's rank in its engine
-    host: str
+    host: str  # the hostname, for messages
     pid: int
+    machine: str = ""  # the machine key (``sync.machine``); empty: unknown, shares nothing
 
     @property
     def role(self) -> str:
@@ -53,8 +57,18 @@ class RosterEntry:
 
 
 def this_process() -> dict[str, Any]:
-    """The hello fields that let the coordinator name this process in a roster."""
-    return {"host": socket.gethostname(), "pid": os.getpid()}
+    """The hello fields that let the coordinator name this process in a roster and tell which ranks share
+    a machine (``machine``) or a loopback interface (``network``)."""
+    return {
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "machine": machine_key(),
+        "network": network_key(),
+    }
+
+
+def _here(entry: RosterEntry) -> bool:
+    return bool(entry.machine) and entry.machine == machine_key()
 
 
 def device_kind(tensors: Iterable[Any]) -> str | None:
@@ -69,26 +83,20 @@ def device_kind(tensors: Iterable[Any]) -> str | None:
 def in_process_peers(rank: int, roster: Mapping[int, RosterEntry]) -> frozenset[int]:
     """The other ranks of the roster that run in this very process (a trainer rank and a vLLM worker of
     TRL's colocate mode): their messages are in-process copies."""
-    me = this_process()
-    return frozenset(
-        r for r, e in roster.items() if r != rank and e.host == me["host"] and e.pid == me["pid"]
-    )
+    pid = os.getpid()
+    return frozenset(r for r, e in roster.items() if r != rank and _here(e) and e.pid == pid)
 
 
 def same_host_peers(rank: int, roster: Mapping[int, RosterEntry]) -> dict[int, int]:
     """The ranks of the roster on this host in other processes, with their pids: their messages' bytes can
     go through shared memory."""
-    me = this_process()
-    return {
-        r: e.pid
-        for r, e in roster.items()
-        if r != rank and e.host == me["host"] and e.pid and e.pid != me["pid"]
-    }
+    pid = os.getpid()
+    return {r: e.pid for r, e in roster.items() if r != rank and _here(e) and e.pid and e.pid != pid}
 
 
 def encode_roster(entries: Sequence[RosterEntry]) -> list[list[Any]]:
     """JSON-able (welcome field ``roster``)."""
-    return [[e.rank, e.engine, e.local_rank, e.host, e.pid] for e in entries]
+    return [[e.rank, e.engine, e.local_rank, e.host, e.pid, e.machine] for e in entries]
 
 
 def decode_roster(raw: Any) -> dict[int, RosterEntry]:
@@ -97,9 +105,14 @@ def decode_roster(raw: Any) -> dict[int, RosterEntry]:
     if not isinstance(raw, list):
         return out
     for item in raw:
-        rank, engine, local_rank, host, pid = item
+        rank, engine, local_rank, host, pid, machine = item
         out[int(rank)] = RosterEntry(
-            int(rank), None if engine is None else int(engine), int(local_rank), str(host), int(pid)
+            int(rank),
+            None if engine is None else int(engine),
+            int(local_rank),
+            str(host),
+            int(pid),
+            str(machine),
         )
     return out
 
@@ -163,22 +176,23 @@ def blame(
     me: int,
     roster: Mapping[int, RosterEntry],
     gone: Callable[[int], bool] = process_gone,
-    host: str | None = None,
+    machine: str | None = None,
     grace: float = GRACE_S,
     clock: Callable[[], float] = time.monotonic,
     sleep: Callable[[float], None] = time.sleep,
 ) -> str:
     """A sentence naming the peers a failure of rank ``me`` is to blame on (see the module doc); empty
-    without a roster. ``text``: the failure's message; ``gone(pid)``: whether a local process exited. An
+    without a roster. ``text``: the failure's message; ``gone(pid)``: whether a process of this machine
+    (``machine``: its key, this process's by default) exited. An
     engine is named whole, whichever of its workers the evidence points at (when a server is killed, its
     workers exit one after another: the first failure may see one of them gone), followed by that
     evidence. Where the error names no peer and no local peer is gone yet, it looks again for up to
     ``grace`` seconds."""
     if not roster:
         return ""
-    host = socket.gethostname() if host is None else host
+    machine = machine_key() if machine is None else machine
     named = {r for r in _named_ranks(text, me) if r in roster}
-    local = {r: e.pid for r, e in roster.items() if r != me and e.host == host and e.pid > 0}
+    local = {r: e.pid for r, e in roster.items() if r != me and e.machine == machine and e.pid > 0}
     dead = {r for r, pid in local.items() if gone(pid)}
     deadline = clock() + grace
     while not dead and not named and local and clock() < deadline:

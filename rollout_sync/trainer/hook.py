@@ -22,7 +22,6 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 from typing import Any
-from urllib.parse import urlparse
 
 from ..errors import HandshakeError, PlanMismatchError
 from ..handshake import TRAINER, Coordinator
@@ -33,15 +32,9 @@ from ..sync.coordination import Coordinated, coordinate, maps_digest
 from ..sync.endpoint import Endpoint, SyncResult, resolve_token
 from ..sync.roster import device_kind
 from ..transport import DEFAULT_STAGING_CAP_BYTES, ExecuteOptions
+from ..transport.network import split_address
 from .fresh_views import FreshViews
 from .step_hook import StepHook
-
-
-def _host_port(address: str) -> tuple[str, int]:
-    url = urlparse(address)
-    if url.scheme != "tcp" or not url.hostname or not url.port:
-        raise ValueError(f"the coordinator address must look like tcp://HOST:PORT, not {address!r}")
-    return url.hostname, url.port
 
 
 class TrainerSync:
@@ -142,7 +135,7 @@ class TrainerSync:
         """Join the sync group as trainer rank ``rank`` of ``world_size``, with maps of every trainer rank
         (the same on every rank) and this rank's storage views. Trainer rank 0 also runs the coordinator."""
         token = resolve_token(token)
-        host, port = _host_port(address)
+        host, port = split_address(address)
         payload = encode_maps(list(maps))
         coordinated: dict[str, Any] = {}
         thread = None
@@ -156,7 +149,6 @@ class TrainerSync:
                     coordinated["value"] = coordinate(
                         coord,
                         policy=policy,
-                        store_host=host,
                         backend=backend,
                         timeout=timeout,
                         shared_memory=shared_memory,

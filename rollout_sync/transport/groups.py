@@ -9,8 +9,11 @@ directly from a ``TCPStore`` and a backend object, and is not registered with ``
 
 from __future__ import annotations
 
+import os
 from datetime import timedelta
 from typing import Any
+
+from .network import GLOO_IFNAME_ENV, use_nccl_interface
 
 __all__ = ["build_group", "connect_store", "group_backend", "group_rank", "group_size", "new_group"]
 
@@ -53,17 +56,27 @@ def new_group(
     backend: str = "gloo",
     timeout: float = 300.0,
     prefix: str = "rollout-sync",
+    bind: str | None = None,
 ) -> Any:
     """A process group object over ``store`` (keys under ``prefix``, so several groups can share one
-    store). The group keeps its store alive."""
+    store). The group keeps its store alive. ``bind``: the local address its connections use (``network``:
+    this rank's route to the coordinator); gloo binds it unless ``GLOO_SOCKET_IFNAME`` is set, NCCL is
+    pointed at its interface unless ``NCCL_SOCKET_IFNAME`` is set."""
     import torch.distributed as dist
 
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is outside a group of {world_size} ranks")
     scoped = dist.PrefixStore(prefix, store)
     if backend == "gloo":
-        return dist.ProcessGroupGloo(scoped, rank, world_size, timedelta(seconds=timeout))
+        if bind is None or os.environ.get(GLOO_IFNAME_ENV):
+            return dist.ProcessGroupGloo(scoped, rank, world_size, timedelta(seconds=timeout))
+        options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
+        options._timeout = timedelta(seconds=timeout)
+        options._devices = [dist.ProcessGroupGloo.create_device(hostname=bind)]
+        return dist.ProcessGroupGloo(scoped, rank, world_size, options)
     if backend == "nccl":
+        if bind is not None:
+            use_nccl_interface(bind)
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timedelta(seconds=timeout)
         return dist.ProcessGroupNCCL(scoped, rank, world_size, options)

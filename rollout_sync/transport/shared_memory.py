@@ -29,10 +29,29 @@ import torch
 
 from .schedule import Schedule
 
-__all__ = ["SHM_PREFIX", "SIGNAL_ONLY", "SameHost", "SharedSegments", "SharedSlots", "shm_dir", "sweep_stale"]
+__all__ = [
+    "SHM_PREFIX",
+    "SIGNAL_ONLY",
+    "SameHost",
+    "SharedSegments",
+    "SharedSlots",
+    "pid_namespace",
+    "shm_dir",
+    "sweep_stale",
+]
 
 SHM_PREFIX = "rollout-sync-"
-_NAME = re.compile(r"^rollout-sync-(\d+)-")
+_NAME = re.compile(r"^rollout-sync-(\d+)-(?:n(\d+)-)?")
+
+
+def pid_namespace() -> str:
+    """The number of this process's PID namespace (empty where unknown). Segment names carry it: a
+    ``/dev/shm`` shared by two PID namespaces (containers with a host IPC mount) then never has a live
+    process's segment swept by a process that cannot see that pid."""
+    try:
+        return re.sub(r"\D", "", os.readlink("/proc/self/ns/pid"))
+    except OSError:
+        return ""
 
 
 def shm_dir() -> Path:
@@ -52,12 +71,13 @@ def _alive(pid: int) -> bool:
 
 
 def sweep_stale(directory: Path | None = None) -> list[str]:
-    """Remove segments whose creating process is gone; the names removed."""
+    """Remove segments whose creating process, in this PID namespace, is gone; the names removed."""
     directory = directory or shm_dir()
     removed = []
+    own = pid_namespace()
     for path in directory.glob(SHM_PREFIX + "*"):
         match = _NAME.match(path.name)
-        if match is None or _alive(int(match.group(1))):
+        if match is None or (match.group(2) or own) != own or _alive(int(match.group(1))):
             continue
         with contextlib.suppress(FileNotFoundError):
             path.unlink()
@@ -87,7 +107,9 @@ class SharedSlots:
     def _path(self, src: int, dst: int, nbytes: int, key: str) -> str:
         pid = os.getpid() if src == self.same_host.rank else self.same_host.peers[src]
         digest = hashlib.sha256(f"{key}:{nbytes}".encode()).hexdigest()[:12]
-        name = f"{SHM_PREFIX}{pid}-{self.same_host.group_id}-{src}-{dst}-{digest}"
+        namespace = pid_namespace()
+        tag = f"n{namespace}-" if namespace else ""
+        name = f"{SHM_PREFIX}{pid}-{tag}{self.same_host.group_id}-{src}-{dst}-{digest}"
         return str(self.directory / name)
 
     @property
