@@ -189,6 +189,7 @@ def coordinate(
                 str(p.fields.get("host", "")),
                 int(p.fields.get("pid", 0) or 0),
                 str(p.fields.get("machine", "")),
+                str(p.fields.get("bind", "")),
             )
             for p in peers
         ]

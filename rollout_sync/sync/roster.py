@@ -44,6 +44,7 @@ class RosterEntry:
     host: str  # the hostname, for messages
     pid: int
     machine: str = ""  # the machine key (``sync.machine``); empty: unknown, shares nothing
+    address: str = ""  # the address its group connections use (its route to the coordinator)
 
     @property
     def role(self) -> str:
@@ -53,7 +54,10 @@ class RosterEntry:
 
     @property
     def where(self) -> str:
-        return f"pid {self.pid} on {self.host}" if self.host else "process unknown"
+        if not self.host:
+            return "process unknown"
+        at = f" ({self.address})" if self.address else ""
+        return f"pid {self.pid} on {self.host}{at}"
 
 
 def this_process() -> dict[str, Any]:
@@ -96,7 +100,7 @@ def same_host_peers(rank: int, roster: Mapping[int, RosterEntry]) -> dict[int, i
 
 def encode_roster(entries: Sequence[RosterEntry]) -> list[list[Any]]:
     """JSON-able (welcome field ``roster``)."""
-    return [[e.rank, e.engine, e.local_rank, e.host, e.pid, e.machine] for e in entries]
+    return [[e.rank, e.engine, e.local_rank, e.host, e.pid, e.machine, e.address] for e in entries]
 
 
 def decode_roster(raw: Any) -> dict[int, RosterEntry]:
@@ -105,7 +109,7 @@ def decode_roster(raw: Any) -> dict[int, RosterEntry]:
     if not isinstance(raw, list):
         return out
     for item in raw:
-        rank, engine, local_rank, host, pid, machine = item
+        rank, engine, local_rank, host, pid, machine, address = item
         out[int(rank)] = RosterEntry(
             int(rank),
             None if engine is None else int(engine),
@@ -113,6 +117,7 @@ def decode_roster(raw: Any) -> dict[int, RosterEntry]:
             str(host),
             int(pid),
             str(machine),
+            str(address),
         )
     return out
 

@@ -1,0 +1,178 @@
+"""One rank of a sync session without engines, run as its own program on an emulated host (``testbed.hosts``):
+
+    python tests/hosts/session_rank.py trainer RANK --address tcp://HOST:PORT --syncs 1,2,3 --engines 1:1,3:2
+    python tests/hosts/session_rank.py worker LOCAL --engine E --address tcp://HOST:PORT --syncs 1,2,3
+
+Trainer ranks hold ZeRO-3 partitions of a small Qwen3's tensors and write new values before each sync (the
+version's values), as an optimizer step would; each engine's two workers hold a TP-2 vLLM layout. Every rank
+prints one JSON line per sync: its version and the bytes it moved by each transport, on workers whether
+every element landed; or the error, and on workers whether the storage kept its old values and the link's
+status. A rank whose sync failed joins a new handshake before its next sync (the trainer ranks with the
+engine count of that sync), as a long-running job would; ``--engines`` changes the trainer's engine count
+and ``--rejoin`` makes a worker join the handshake of that sync. The last line is ``{"done": true}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import torch
+
+from rollout_sync.shapes import model_tensors
+from rollout_sync.shapes.sides import trainer_maps, vllm_target_maps
+from testbed.expected_storage import extract, local_part
+
+CONFIG = {
+    "model_type": "qwen3",
+    "vocab_size": 1000,
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "tie_word_embeddings": False,
+}
+TRAINERS, WORKERS = 2, 2
+TOKEN = "hosts-session-test"
+
+
+def full_tensors(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        t.name: torch.randn(t.shape, generator=g).to(torch.bfloat16) for t in model_tensors(CONFIG).tensors
+    }
+
+
+def moved(stats) -> dict[str, int]:
+    return {
+        "received": sum(stats.bytes_received.values()),
+        "sent": sum(stats.bytes_sent.values()),
+        "mapped_from": sum(stats.bytes_mapped_from.values()),
+        "mapped": sum(stats.bytes_mapped.values()),
+        "pulled": sum(stats.bytes_pulled.values()),
+        "handed": sum(stats.bytes_handed.values()),
+    }
+
+
+def wait_for(path: Path, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no {path} within {timeout:g} s")
+        time.sleep(0.02)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("role", choices=("trainer", "worker"))
+    ap.add_argument("rank", type=int)
+    ap.add_argument("--address", required=True)
+    ap.add_argument("--engine", type=int, default=0, help="a worker's engine")
+    ap.add_argument("--syncs", default="1,2", help="the syncs (versions) this rank takes part in")
+    ap.add_argument("--engines", default="", help="trainer: engines per sync, 'V:N,...' from sync V on")
+    ap.add_argument("--rejoin", default="", help="worker: syncs before which to join a new handshake")
+    ap.add_argument("--control", default=None, help="wait for CONTROL/go-V before sync V")
+    ap.add_argument("--timeout", type=float, default=60)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    model = model_tensors(CONFIG)
+    sources = trainer_maps(model, 3, TRAINERS)
+    syncs = [int(v) for v in args.syncs.split(",")]
+    control = Path(args.control) if args.control else None
+    me = {"role": args.role, "rank": args.rank, "host": socket.gethostname(), "pid": os.getpid()}
+
+    def report(**fields) -> None:
+        print(json.dumps({**me, **fields}), flush=True)
+
+    if args.role == "trainer":
+        from rollout_sync.trainer.hook import TrainerSync
+
+        steps = sorted(
+            (int(v), int(n)) for v, n in (x.split(":") for x in (args.engines or "1:1").split(","))
+        )
+        views = {
+            m.name: extract(full_tensors(0)[m.name], m, args.rank) for m in sources if args.rank in m.ranks
+        }
+        side, joined = None, None
+        for version in syncs:
+            engines = [n for v, n in steps if v <= version][-1]
+            if control is not None:
+                wait_for(control / f"go-{version}", args.timeout * 3)
+            if side is None or side.endpoint.closed or engines != joined:
+                if side is not None:
+                    side.detach()
+                side = TrainerSync.connect(
+                    sources, views, rank=args.rank, world_size=TRAINERS, address=args.address, engines=engines,
+                    token=TOKEN, timeout=args.timeout,
+                )  # fmt: skip
+                joined = engines
+            full = full_tensors(version)
+            for m in sources:
+                if args.rank in m.ranks:
+                    side.sources[m.name].copy_(extract(full[m.name], m, args.rank))
+            started = time.monotonic()
+            try:
+                result = side.sync(version)
+            except Exception as exc:
+                report(
+                    version=version, error=f"{type(exc).__name__}: {exc}", seconds=time.monotonic() - started
+                )
+                continue
+            report(version=result.version, seconds=time.monotonic() - started, **moved(result.stats))
+    else:
+        from rollout_sync.rollout.group_link import RolloutLink
+
+        first = TRAINERS + args.engine * WORKERS
+        targets = vllm_target_maps(model, 1, WORKERS, first_rank=first)
+        rank = first + args.rank
+        mine = [local_part(m, rank, args.rank) for m in targets if rank in m.ranks]
+        storage = {
+            m.name: torch.full(m.ranks[rank].shape, float("nan"), dtype=torch.bfloat16)
+            for m in targets
+            if rank in m.ranks
+        }
+        rejoin = {int(v) for v in args.rejoin.split(",") if v}
+        link = None
+        for version in syncs:
+            if link is None or link.endpoint.closed or version in rejoin:
+                if link is not None:
+                    link.endpoint.close()
+                link = RolloutLink.connect(
+                    args.address, engine=args.engine, local_rank=args.rank, local_size=WORKERS, maps=mine,
+                    token=TOKEN, timeout=args.timeout,
+                )  # fmt: skip
+            before = {n: t.clone() for n, t in storage.items()}
+            started = time.monotonic()
+            try:
+                result = link.receive(storage)
+            except Exception as exc:
+                kept = all(torch.equal(before[n], storage[n]) for n in storage)
+                report(
+                    version=version, error=f"{type(exc).__name__}: {exc}", seconds=time.monotonic() - started,
+                    status=link.status(), unchanged=kept,
+                )  # fmt: skip
+                continue
+            full = full_tensors(result.version)
+            wrong = [
+                m.name
+                for m in targets
+                if rank in m.ranks and not torch.equal(storage[m.name], extract(full[m.name], m, rank))
+            ]
+            report(
+                version=result.version, wrong=wrong, seconds=time.monotonic() - started, **moved(result.stats)
+            )
+    report(done=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
