@@ -192,7 +192,8 @@ def blame(
     engine is named whole, whichever of its workers the evidence points at (when a server is killed, its
     workers exit one after another: the first failure may see one of them gone), followed by that
     evidence. Where the error names no peer and no local peer is gone yet, it looks again for up to
-    ``grace`` seconds."""
+    ``grace`` seconds. With no evidence at all it lists the peers on other hosts (a cut link, a lost host),
+    else every engine (and, on a rollout rank, every trainer rank)."""
     if not roster:
         return ""
     machine = machine_key() if machine is None else machine
@@ -207,5 +208,9 @@ def blame(
         return f"failed peer(s): {_engines(roster, sorted(dead))} (process gone: {_ranks(dead)})"
     if named:
         return f"failed peer(s): {_engines(roster, sorted(named))} (named by the error: {_ranks(named)})"
-    engines = [r for r, e in roster.items() if e.engine is not None]
-    return f"the failed peer is not known; peers of this sync: {_engines(roster, engines)}"
+    away = [r for r, e in roster.items() if r != me and e.machine != machine]
+    if away:  # a cut link or a lost host is between this rank and these
+        return f"the failed peer is not known; peers of this sync on other hosts: {_engines(roster, away)}"
+    me_rollout = me in roster and roster[me].engine is not None
+    listed = [r for r, e in roster.items() if e.engine is not None or (me_rollout and r != me)]
+    return f"the failed peer is not known; peers of this sync: {_engines(roster, listed)}"

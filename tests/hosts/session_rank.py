@@ -21,6 +21,7 @@ import socket
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
@@ -69,6 +70,24 @@ def wait_for(path: Path, timeout: float) -> None:
         if time.monotonic() > deadline:
             raise TimeoutError(f"no {path} within {timeout:g} s")
         time.sleep(0.02)
+
+
+def join_worker(args: argparse.Namespace, maps: list) -> Any:
+    """Join the next handshake, as a long-running engine does: the coordinator may not be there yet (its
+    trainer still failing, a link still down), so a join that times out is tried again, up to 5 timeouts."""
+    from rollout_sync.errors import SyncTimeoutError
+    from rollout_sync.rollout.group_link import RolloutLink
+
+    deadline = time.monotonic() + 5 * args.timeout
+    while True:
+        try:
+            return RolloutLink.connect(
+                args.address, engine=args.engine, local_rank=args.rank, local_size=WORKERS, maps=maps,
+                token=TOKEN, timeout=args.timeout,
+            )  # fmt: skip
+        except SyncTimeoutError:
+            if time.monotonic() > deadline:
+                raise
 
 
 def main() -> int:
@@ -129,8 +148,6 @@ def main() -> int:
                 continue
             report(version=result.version, seconds=time.monotonic() - started, **moved(result.stats))
     else:
-        from rollout_sync.rollout.group_link import RolloutLink
-
         first = TRAINERS + args.engine * WORKERS
         targets = vllm_target_maps(model, 1, WORKERS, first_rank=first)
         rank = first + args.rank
@@ -146,10 +163,7 @@ def main() -> int:
             if link is None or link.endpoint.closed or version in rejoin:
                 if link is not None:
                     link.endpoint.close()
-                link = RolloutLink.connect(
-                    args.address, engine=args.engine, local_rank=args.rank, local_size=WORKERS, maps=mine,
-                    token=TOKEN, timeout=args.timeout,
-                )  # fmt: skip
+                link = join_worker(args, mine)  # fmt: skip
             before = {n: t.clone() for n, t in storage.items()}
             started = time.monotonic()
             try:

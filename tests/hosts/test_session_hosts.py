@@ -156,3 +156,127 @@ def test_a_coordinator_reached_over_loopback_while_peers_are_on_other_hosts_is_r
         text = r.err.decode(errors="replace")
         assert "HandshakeError" in text and "over loopback (127.0.0.1)" in text, text[-2000:]
         assert "name the coordinator by an address every host reaches" in text, text[-2000:]
+
+
+def lines_for(ranks: list[Rank], version: int) -> list[dict[str, Any] | None]:
+    return [syncs(r).get(version) for r in ranks]
+
+
+def go(control: Path, version: int) -> None:
+    (control / f"go-{version}").touch()
+
+
+TIMEOUT_S = 10.0  # every wait of every rank in the fault tests
+
+
+def test_a_link_cut_during_a_sync_fails_every_rank_in_time_naming_the_peers_and_the_next_sync_succeeds(
+    tmp_path: Path,
+):
+    """Sync 2 crosses a 2 Mbit/s link (about 1.5 s for the engine's bytes); 0.5 s in, the link is cut. Every
+    rank fails within its timeout (and the failure commit's), naming the peers across the cut; the workers
+    do not claim version 2. Once the link is back, both sides join a new handshake, in the same processes,
+    and sync 3 lands every element."""
+    with Hosts(["a", "b"]) as hosts:
+        ranks = [
+            *trainers("a", "--syncs", "1,2,3", "--control", str(tmp_path)),
+            *engine(0, "b", "--syncs", "1,2,3"),
+        ]
+        start(hosts, ranks, f"tcp://{hosts.name_of('a')}:{PORT}", timeout=TIMEOUT_S)
+        go(tmp_path, 1)
+        until(lambda: all(lines_for(ranks, 1)), 120, "sync 1")
+        hosts.shape("b", rate_bps=2 * 10**6)
+        go(tmp_path, 2)
+        time.sleep(0.5)
+        hosts.cut("b")
+        cut_at = time.monotonic()
+        until(lambda: all(lines_for(ranks, 2)), 4 * TIMEOUT_S, "a failure of sync 2 on every rank")
+        failed_within = time.monotonic() - cut_at
+        hosts.restore("b")
+        hosts.shape("b")
+        go(tmp_path, 3)
+        finish(ranks)
+    first = lines_for(ranks, 1)
+    assert all(line is not None and "error" not in line for line in first), first
+    second = lines_for(ranks, 2)
+    for r, line in zip(ranks, second, strict=True):
+        assert line is not None and "error" in line, (r.name, line)
+        assert line["seconds"] < 2 * TIMEOUT_S + 5, (r.name, line)  # the transfer's wait, then the commit's
+        assert "failed peer(s)" in line["error"] or "peers of this sync" in line["error"], (r.name, line)
+    for line in second[:2]:  # the trainers name the engine across the cut, with its host's address
+        assert "engine 0" in line["error"] and hosts.address("b") in line["error"], line
+    for line in second[2:]:  # the workers name the trainer ranks across the cut
+        assert "trainer rank" in line["error"] and hosts.address("a") in line["error"], line
+        assert line["status"]["version"] == 1 and line["status"]["incomplete"] is True, line
+    assert failed_within < 2 * TIMEOUT_S + 5, failed_within
+    third = lines_for(ranks, 3)
+    assert all(line is not None and "error" not in line for line in third), third
+    assert all(line["wrong"] == [] for line in third[2:]), third
+
+
+def test_a_sync_over_a_link_that_loses_5_percent_of_its_packets_lands_bit_for_bit():
+    with Hosts(["a", "b"]) as hosts:
+        hosts.shape("b", loss_pct=5)
+        ranks = [*trainers("a", "--syncs", "1,2"), *engine(0, "b", "--syncs", "1,2")]
+        start(hosts, ranks, f"tcp://{hosts.name_of('a')}:{PORT}", timeout=60)
+        finish(ranks)
+    for r in ranks[2:]:
+        assert [(v, line["wrong"]) for v, line in syncs(r).items()] == [(1, []), (2, [])], r.lines
+
+
+def test_a_host_killed_mid_sync_is_named_by_the_survivors_in_time_and_the_trainer_goes_on_with_the_others(
+    tmp_path: Path,
+):
+    """Engines on hosts b and c; during sync 2 (c's link slowed to 2 Mbit/s) every process of host c is
+    SIGKILLed. The trainer ranks and engine 0 fail in time, naming engine 1; then the trainer joins a new
+    handshake with one engine, engine 0 rejoins, and sync 3 lands every element on it."""
+    with Hosts(["a", "b", "c"]) as hosts:
+        ctl = ["--control", str(tmp_path)]
+        ranks = [
+            *trainers("a", "--syncs", "1,2,3", "--engines", "1:2,3:1", *ctl),
+            *engine(0, "b", "--syncs", "1,2,3"),
+            *engine(1, "c", "--syncs", "1,2,3"),
+        ]
+        start(hosts, ranks, f"tcp://{hosts.name_of('a')}:{PORT}", timeout=TIMEOUT_S)
+        go(tmp_path, 1)
+        until(lambda: all(lines_for(ranks, 1)), 120, "sync 1")
+        hosts.shape("c", rate_bps=2 * 10**6)
+        go(tmp_path, 2)
+        time.sleep(0.5)
+        hosts.kill("c")
+        killed_at = time.monotonic()
+        survivors = ranks[:4]
+        until(lambda: all(lines_for(survivors, 2)), 4 * TIMEOUT_S, "a failure of sync 2 on every survivor")
+        failed_within = time.monotonic() - killed_at
+        go(tmp_path, 3)
+        finish(survivors)
+    assert failed_within < 2 * TIMEOUT_S + 5, failed_within
+    for r, line in zip(survivors, lines_for(survivors, 2), strict=True):
+        assert line is not None and "error" in line, (r.name, line)
+        assert "engine 1" in line["error"] and hosts.address("c") in line["error"], (r.name, line)
+    third = lines_for(survivors, 3)
+    assert all(line is not None and "error" not in line for line in third), third
+    assert all(line["wrong"] == [] for line in third[2:]), third
+
+
+def test_an_engine_host_that_starts_late_is_admitted_at_the_next_handshake(tmp_path: Path):
+    """The trainer syncs engine 0 (host b); engine 1 starts on host c after sync 1 and waits; before sync 2
+    the trainer joins a new handshake for two engines, engine 0 rejoins it, and sync 2 lands every element on
+    both engines, over the group."""
+    with Hosts(["a", "b", "c"]) as hosts:
+        ranks = [
+            *trainers("a", "--syncs", "1,2", "--engines", "1:1,2:2", "--control", str(tmp_path)),
+            *engine(0, "b", "--syncs", "1,2", "--rejoin", "2"),
+        ]
+        late = engine(1, "c", "--syncs", "2")
+        address = f"tcp://{hosts.name_of('a')}:{PORT}"
+        start(hosts, ranks, address, timeout=TIMEOUT_S)
+        go(tmp_path, 1)
+        until(lambda: all(lines_for(ranks, 1)), 120, "sync 1")
+        start(hosts, late, address, timeout=TIMEOUT_S)
+        time.sleep(2)  # the late engine is waiting for a handshake
+        go(tmp_path, 2)
+        finish([*ranks, *late])
+    for r in [*ranks[2:], *late]:
+        for line in syncs(r).values():
+            assert "error" not in line and line["wrong"] == [] and line["received"] > 0, (r.name, line)
+    assert [sorted(syncs(r)) for r in late] == [[2], [2]]

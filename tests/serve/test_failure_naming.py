@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from dataclasses import replace
 
 from rollout_sync.sync.roster import RosterEntry, blame, decode_roster, encode_roster, process_gone
 
@@ -54,8 +55,17 @@ def test_a_dead_trainer_rank_is_named_as_a_trainer_rank() -> None:
 
 def test_without_evidence_every_engine_is_listed_and_without_a_roster_nothing_is_added() -> None:
     got = blame("rank 0: the plan agreement did not complete", 0, ROSTER, gone=lambda pid: False, machine="h")
+    assert got == f"the failed peer is not known; peers of this sync on other hosts: {ENGINE_1}"
+    on_one_host = {r: replace(e, machine="h") for r, e in ROSTER.items()}
+    got = blame(
+        "rank 0: the plan agreement did not complete", 0, on_one_host, gone=lambda pid: False, machine="h"
+    )
     assert got.startswith("the failed peer is not known; peers of this sync: engine 0 (global ranks 2")
-    assert "engine 1 (global ranks 3, 4" in got
+    assert "engine 1 (global ranks 3, 4" in got and "trainer rank" not in got
+    got = blame("rank 2: the commit did not complete", 2, on_one_host, gone=lambda pid: False, machine="h")
+    assert got.startswith(
+        "the failed peer is not known; peers of this sync: trainer rank 0 (global rank 0"
+    ), got
     assert blame("rank 0: anything", 0, {}) == ""
 
 
