@@ -31,6 +31,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--model", required=True, help="the same checkpoint the trainer starts from")
     ap.add_argument("--address", required=True, help="the trainer's coordinator, tcp://HOST:PORT")
     ap.add_argument("--trainer-ranks", type=int, default=2, help="the trainer job's world size")
+    ap.add_argument("--engine", type=int, default=0, help="this engine's index among the trainer's --engines")
     ap.add_argument("--tp", type=int, default=2, help="vLLM tensor-parallel size")
     ap.add_argument("--steps", type=int, default=2, help="how many syncs to receive")
     ap.add_argument("--timeout", type=float, default=300.0)
@@ -104,9 +105,9 @@ def main(argv: list[str] | None = None) -> int:
         worker_extension_cls="vllm_plugin.extension.RolloutSyncExtension",
     )
     print(f"[rollout] vLLM engine up in {time.perf_counter() - started:.0f} s", flush=True)
-    setup_engines([llm], first_rank=args.trainer_ranks)
+    setup_engines([llm], first_rank=args.trainer_ranks + args.engine * args.tp)
     started = time.perf_counter()
-    connect_engine(llm, args.address, 0, token=token, timeout=args.timeout)
+    connect_engine(llm, args.address, args.engine, token=token, timeout=args.timeout)
     print(f"[rollout] joined the trainer's sync group in {time.perf_counter() - started:.1f} s", flush=True)
     greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     initial = weights_digest(llm)
@@ -118,9 +119,11 @@ def main(argv: list[str] | None = None) -> int:
         row: dict[str, Any] = {
             "version": version,
             "weight_version": llm.get_weight_version(),
-            # as messages, or copied from the trainer's storages this worker maps (same host)
-            "bytes_received": sum(
-                sum(r["stats"]["bytes_received"].values()) + sum(r["stats"]["bytes_mapped_from"].values())
+            # as messages over the sync group, or copied from the trainer's storages this worker maps or
+            # pulls (same host only)
+            "bytes_over_group": sum(sum(r["stats"]["bytes_received"].values()) for r in reports),
+            "bytes_same_host": sum(
+                sum(r["stats"]["bytes_mapped_from"].values()) + sum(r["stats"]["bytes_pulled"].values())
                 for r in reports
             ),
             "tokens": [list(o.outputs[0].token_ids) for o in outputs],
@@ -130,6 +133,7 @@ def main(argv: list[str] | None = None) -> int:
             changed = verify(llm, Path(args.verify_dir), version, args.timeout)
             row["params_differing"] = changed
             row["verified"] = changed == 0
+        row["bytes_received"] = row["bytes_over_group"] + row["bytes_same_host"]
         rows.append(row)
         print(
             f"[rollout] received v{version} ({row['bytes_received'] / 1e6:.2f} MB), greedy {row['tokens'][0]}"
