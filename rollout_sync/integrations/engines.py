@@ -29,6 +29,10 @@ __all__ = ["ColocatedRollout", "RolloutSide", "ServedRollout"]
 class RolloutSide(Protocol):
     engines: int
 
+    def coordinator_host(self) -> str:
+        """The address training process 0 serves the coordinator on: one the engines reach."""
+        ...
+
     def prepare(self, trainer_world: int) -> dict[str, Any]:
         """Learn the engines' target maps (collective over the training processes)."""
         ...
@@ -57,6 +61,15 @@ class ServedRollout:
 
         self.url = url
         self.server = ServerEngine(url, name=f"server {url}", timeout=timeout) if driver else None
+
+    def coordinator_host(self) -> str:
+        """This host's address on the route to the server (its workers connect back along it)."""
+        from urllib.parse import urlparse
+
+        from ..transport.network import route_source
+
+        url = urlparse(self.url)
+        return route_source(url.hostname or "127.0.0.1", url.port or 80)
 
     def prepare(self, trainer_world: int) -> dict[str, Any]:
         if self.server is None:
@@ -132,6 +145,9 @@ class ColocatedRollout:
         self.engines = world // self.tp
         self.worker: Any = None
         self.link: Any = None
+
+    def coordinator_host(self) -> str:
+        return "127.0.0.1"  # every engine lives in these training processes
 
     def prepare(self, trainer_world: int) -> dict[str, Any]:
         import torch.distributed as dist

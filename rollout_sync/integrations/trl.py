@@ -80,14 +80,15 @@ _installed: TrlWeightSync | None = None
 
 def use_rollout_sync(
     *,
-    host: str = "127.0.0.1",
+    host: str | None = None,
     timeout: float = 300.0,
     staging_cap_bytes: int = DEFAULT_STAGING_CAP_BYTES,
     delta: bool = False,
 ) -> TrlWeightSync:
     """Make TRL's weight sync rollout-sync's in this process; call it before building the trainer (server
     mode: TRL's NCCL communicator is set up while the trainer is built). ``host``: where training process 0
-    listens for the vLLM workers (loopback: same machine; a routable address for a server elsewhere).
+    listens for the vLLM workers; by default this host's address on the route to TRL's server (server
+    mode) or loopback (colocate mode).
     ``delta``: syncs after the first send only the weights that changed (``WeightSync``). Returns the sync
     (``history``, ``summary()``, ``after_sync`` hooks). Calling it again returns the same."""
     global _installed

@@ -77,8 +77,9 @@ def _free_port(host: str) -> int:
 class WeightSync:
     """A DeepSpeed engine's training processes and the vLLM engines of ``rollout``, in one sync group.
 
-    ``host``: where training process 0 serves the coordinator (the vLLM workers connect to it; loopback by
-    default: same machine). ``state``: ``param`` (the weights the model trains, as TRL syncs them) or
+    ``host``: where training process 0 serves the coordinator (the vLLM workers connect to it); by default
+    the rollout side's choice (``RolloutSide.coordinator_host``: the address of this host that routes to a
+    server, loopback for engines in these processes). ``state``: ``param`` (the weights the model trains, as TRL syncs them) or
     ``fp32`` (ZeRO's master weights). ``delta``: after the first sync, send only the elements that changed
     (``transport.delta``: each training process keeps a copy of what it sent, the bytes it sends per sync;
     segments copied within a process, as in TRL's colocate mode, are copied whole)."""
@@ -87,7 +88,7 @@ class WeightSync:
         self,
         rollout: RolloutSide | None = None,
         *,
-        host: str = "127.0.0.1",
+        host: str | None = None,
         port: int | None = None,
         token: str | None = None,
         timeout: float = 300.0,
@@ -127,12 +128,12 @@ class WeightSync:
             raise ValueError("no rollout side: pass the vLLM engines' RolloutSide")
         started = time.perf_counter()
         rank, world = dist.get_rank(), dist.get_world_size()
-        meeting: list[Any] = [None, None]
+        meeting: list[Any] = [None, None, None]
         if rank == 0:
-            meeting = [self.port or _free_port(self.host), self.token or secrets.token_hex(16)]
+            host = self.host or self.rollout.coordinator_host()
+            meeting = [host, self.port or _free_port(host), self.token or secrets.token_hex(16)]
         dist.broadcast_object_list(meeting, src=0)
-        port, token = int(meeting[0]), str(meeting[1])
-        address = f"tcp://{self.host}:{port}"
+        address, token = f"tcp://{meeting[0]}:{int(meeting[1])}", str(meeting[2])
         probe_started = time.perf_counter()
         failure = ""
         rollout_setup: dict[str, Any] = {}

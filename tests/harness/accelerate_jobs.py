@@ -12,13 +12,16 @@ from typing import Any
 from tests.harness.vllm_engines import REPO_ROOT
 
 
-def launch_job(script: str, zero: int, workdir: Path, *args: str, timeout: float = 600.0):
-    """``accelerate launch --config_file examples/trl/zero{zero}.yaml SCRIPT --workdir WORKDIR ARGS``,
-    from the repository root; the output is kept in ``WORKDIR/run.log``."""
+def job_env() -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
     env["DS_ACCELERATOR"] = "cpu"
-    cmd = [
+    return env
+
+
+def job_command(script: str, zero: int, workdir: Path, *args: str) -> list[str]:
+    """``accelerate launch --config_file examples/trl/zero{zero}.yaml SCRIPT --workdir WORKDIR ARGS``."""
+    return [
         sys.executable,
         "-m",
         "accelerate.commands.launch",
@@ -29,7 +32,12 @@ def launch_job(script: str, zero: int, workdir: Path, *args: str, timeout: float
         str(workdir),
         *args,
     ]
-    proc = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def launch_job(script: str, zero: int, workdir: Path, *args: str, timeout: float = 600.0):
+    """``job_command``, run from the repository root; the output is kept in ``WORKDIR/run.log``."""
+    cmd = job_command(script, zero, workdir, *args)
+    proc = subprocess.run(cmd, cwd=REPO_ROOT, env=job_env(), capture_output=True, text=True, timeout=timeout)
     (workdir / "run.log").write_text(proc.stdout + proc.stderr)
     return proc
 

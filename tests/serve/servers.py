@@ -29,12 +29,17 @@ WEIGHT_TRANSFER = ["--weight-transfer-config", '{"backend": "rollout_sync"}']
 
 
 def serve_command(
-    model: Path | str, port: int, tp: int = 1, extra: Sequence[str] = (), extension: str | None = EXTENSION
+    model: Path | str,
+    port: int,
+    tp: int = 1,
+    extra: Sequence[str] = (),
+    extension: str | None = EXTENSION,
+    host: str = "127.0.0.1",
 ) -> list[str]:
     """The exact command the README documents (plus the test's small-memory settings); ``extra``: more
     arguments for ``vllm serve`` (``WEIGHT_TRANSFER``); ``extension``: the worker extension class
     (``TEST_EXTENSION`` adds the test tools; None: a server without rollout-sync's worker extension, for
-    refusal tests)."""
+    refusal tests); ``host``: the address it listens on."""
     return [
         sys.executable,
         "-m",
@@ -43,7 +48,7 @@ def serve_command(
         str(model),
         *(["--worker-extension-cls", extension] if extension else []),
         "--host",
-        "127.0.0.1",
+        host,
         "--port",
         str(port),
         "--tensor-parallel-size",
