@@ -36,6 +36,7 @@ import select
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -50,13 +51,14 @@ _NS = re.compile(rf"^{PREFIX}(\d+)x\d+-")
 _serial = itertools.count(1)
 _DROP = "drop0"  # a device that is never up: packets redirected to it are dropped
 
-# Removes every namespace named $1-* (its processes first) and its /etc/netns entry.
+# Removes every namespace named $1-* (its processes first), its /etc/netns entry, and the rig's files.
 _CLEANUP = r"""
 for ns in $(ip netns list 2>/dev/null | awk '{print $1}' | grep "^$1-"); do
   for p in $(ip netns pids "$ns" 2>/dev/null); do kill -9 "$p" 2>/dev/null; done
   ip netns del "$ns" 2>/dev/null
   rm -rf "/etc/netns/$ns"
 done
+rm -f /run/"$1"-*
 """
 # Waits for the owner ($2) to exit, then cleans up after it.
 _REAPER = 'while kill -0 "$2" 2>/dev/null; do sleep 0.5; done;' + _CLEANUP
@@ -157,6 +159,7 @@ class Hosts:
         self.shm_size = shm_size
         self.reaper: subprocess.Popen[bytes] | None = None
         self.processes: list[subprocess.Popen[Any]] = []
+        self.files: list[Path] = []
         self.closed = False
 
     # -- life ----------------------------------------------------------------------------------------------
@@ -228,6 +231,8 @@ class Hosts:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(proc.pid, signal.SIGKILL)
         subprocess.run(["sh", "-c", _CLEANUP, "sh", self.prefix], capture_output=True, timeout=120)
+        for path in self.files:
+            path.unlink(missing_ok=True)
         for proc in [*self.processes, *(h.holder for h in self.hosts.values() if h.holder)]:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(10)
@@ -264,6 +269,18 @@ class Hosts:
         )
         self.processes.append(proc)
         return proc
+
+    def python_launcher(self, host: str, python: str | None = None) -> str:
+        """An executable file that runs ``python`` (this interpreter by default) with its arguments on
+        ``host``: what ``multiprocessing``'s spawn needs to start a process there (``RankPool(launcher=)``;
+        the pipes it passes survive ``nsenter``). Removed with the rig."""
+        h = self.hosts[host]
+        path = Path(f"/run/{self.prefix}-{host}-python")
+        enter = f"nsenter -t {h.init_pid} -n -u -m -p --wd=\"$PWD\""
+        path.write_text(f'#!/bin/sh\nexec {enter} -- {python or sys.executable} "$@"\n')
+        path.chmod(0o755)
+        self.files.append(path)
+        return str(path)
 
     def exec(self, host: str, argv: Sequence[str], timeout: float = 60) -> str:
         """Run ``argv`` on ``host`` to completion; its standard output (raises when it fails)."""

@@ -113,9 +113,21 @@ class Pending:
 
 
 class RankPool:
+    """``launcher``: an executable that runs its arguments as a Python command line somewhere else (an
+    emulated host: ``testbed.hosts.Hosts.python_launcher``); the ranks start through it. ``daemon``: ranks
+    that start processes of their own (a vLLM engine) must not be daemonic."""
+
     def __init__(
-        self, world_size: int, *, env: Mapping[str, str] | None = None, timeout: float = 600.0
+        self,
+        world_size: int,
+        *,
+        env: Mapping[str, str] | None = None,
+        timeout: float = 600.0,
+        launcher: str | None = None,
+        daemon: bool = True,
     ) -> None:
+        from multiprocessing import spawn
+
         self.world_size = world_size
         self.timeout = timeout
         ctx = mp.get_context("spawn")
@@ -123,13 +135,19 @@ class RankPool:
         base.update(env or {})
         self._conns: list[Connection] = []
         self._procs: list[Any] = []
-        for rank in range(world_size):
-            parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_serve, args=(rank, world_size, base, child), daemon=True)
-            proc.start()
-            child.close()
-            self._conns.append(parent)
-            self._procs.append(proc)
+        python = spawn.get_executable()
+        try:
+            if launcher is not None:
+                spawn.set_executable(launcher)  # global to spawn: only while these ranks start
+            for rank in range(world_size):
+                parent, child = ctx.Pipe()
+                proc = ctx.Process(target=_serve, args=(rank, world_size, base, child), daemon=daemon)
+                proc.start()
+                child.close()
+                self._conns.append(parent)
+                self._procs.append(proc)
+        finally:
+            spawn.set_executable(python)
         self._busy = False
         self._closed = False
 

@@ -62,8 +62,13 @@ ENGINE_MODULE_ORDER = (
     "tests/vllm/test_dry_run_matches_live_rollout.py",  # the same EP engine; then dense-tied seed 0, TP 2
     "tests/vllm/test_rollout_engines.py",  # dense-tied seeds 0 and 1, TP 2
 )
-#: The longest module outside the pool (served engines started by the module): right after the pool's.
-LONG_MODULES = ("tests/serve/test_serve.py", "tests/trl/test_trl_grpo.py")
+#: The longest modules outside the pool (engines started by the module): right after the pool's.
+LONG_MODULES = (
+    "tests/serve/test_serve.py",
+    "tests/trl/test_trl_grpo.py",
+    "tests/hosts/test_engines_across_hosts.py",
+    "tests/hosts/test_trl_across_hosts.py",
+)
 ENGINE_GROUP = "vllm-engine-pool"
 
 

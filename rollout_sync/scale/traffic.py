@@ -54,6 +54,7 @@ __all__ = [
     "lower_bound",
     "modeled_seconds",
     "needed_bytes",
+    "node_link_seconds",
     "plan_traffic",
 ]
 
@@ -246,6 +247,26 @@ def modeled_seconds(traffic: Traffic, bandwidth: Bandwidth) -> tuple[float, int 
         if t > best:
             best, slowest = t, rank
     return best, slowest
+
+
+def node_link_seconds(
+    traffic: Traffic, topology: Topology, link_bytes_per_s: float
+) -> tuple[float, int | None]:
+    """``(seconds, the busiest node)`` when every node has one link of ``link_bytes_per_s`` per direction
+    that all its ranks share (hosts joined by one NIC each, as the emulated hosts of ``bench hosts``): the
+    inter-node bytes into or out of a node, over its link; the slowest node sets the sync."""
+    if link_bytes_per_s <= 0:
+        raise DryRunSpecError("a link rate must be positive", expected="> 0", found=link_bytes_per_s)
+    into: dict[int, int] = {}
+    out: dict[int, int] = {}
+    for rank, nbytes in traffic.recv_inter.items():
+        _add(into, topology.node(rank), nbytes)
+    for rank, nbytes in traffic.sent_inter.items():
+        _add(out, topology.node(rank), nbytes)
+    busiest = max({*into, *out}, key=lambda n: max(into.get(n, 0), out.get(n, 0)), default=None)
+    if busiest is None:
+        return 0.0, None
+    return max(into.get(busiest, 0), out.get(busiest, 0)) / link_bytes_per_s, busiest
 
 
 @dataclass(frozen=True, slots=True)

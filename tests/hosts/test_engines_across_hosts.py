@@ -17,12 +17,11 @@ from typing import Any
 
 import pytest
 
-from testbed.hosts import Hosts, available
+from testbed.hosts import Hosts
 
 pytestmark = [
     pytest.mark.vllm,
     pytest.mark.deepspeed,
-    pytest.mark.skipif(available() is not None, reason=str(available())),
 ]
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -12,12 +12,9 @@ import textwrap
 import time
 from pathlib import Path
 
-import pytest
-
-from testbed.hosts import Hosts, available, leftover_namespaces
+from testbed.hosts import Hosts, leftover_namespaces
 
 ROOT = Path(__file__).resolve().parents[2]
-pytestmark = pytest.mark.skipif(available() is not None, reason=str(available()))
 
 SERVER = textwrap.dedent(
     """

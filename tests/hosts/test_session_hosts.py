@@ -15,14 +15,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import pytest
-
-from testbed.hosts import Hosts, available
+from testbed.hosts import Hosts
 
 ROOT = Path(__file__).resolve().parents[2]
 PROGRAM = ROOT / "tests" / "hosts" / "session_rank.py"
 PORT = 29700
-pytestmark = pytest.mark.skipif(available() is not None, reason=str(available()))
 
 
 @dataclass

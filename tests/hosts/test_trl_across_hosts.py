@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from testbed.hosts import Hosts, available
+from testbed.hosts import Hosts
 from tests.harness.accelerate_jobs import job_command, job_env
 from tests.serve.servers import TEST_EXTENSION, serve_command
 
@@ -21,7 +21,6 @@ pytest.importorskip("trl")
 pytestmark = [
     pytest.mark.vllm,
     pytest.mark.deepspeed,
-    pytest.mark.skipif(available() is not None, reason=str(available())),
 ]
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -22,6 +22,7 @@ from rollout_sync.scale.traffic import (
     lower_bound,
     modeled_seconds,
     needed_bytes,
+    node_link_seconds,
     plan_traffic,
 )
 
@@ -196,3 +197,22 @@ def test_a_staging_cap_too_small_for_the_peers_is_reported_as_the_executors_refu
     traffic = plan_traffic(plan, topology_for(sources, targets))
     got = rank_rounds(plan.half(4), message_offers(traffic, 256))
     assert got.refused is not None and "bytes per message" in got.refused and got.rounds == 0
+
+
+def test_one_link_per_node_carries_every_byte_into_or_out_of_that_node():
+    """Two trainer ranks on node 0 send a TP-2 engine on node 1: node 1's link carries both workers' bytes,
+    so its time is their sum over the rate (not the busiest worker's share, as with a NIC per GPU)."""
+    sources, targets = whole_model(QWEN3, 3, 2, 1, 1, 1, 2, 1)
+    topology = Topology(2, 2, 2, 2)
+    traffic = plan_traffic(plan_model(sources, targets), topology)
+    into = traffic.recv_inter[2] + traffic.recv_inter[3]
+    assert into == sum(needed_bytes(sources, targets).values())
+    seconds, node = node_link_seconds(traffic, topology, 1e8)
+    assert node in (0, 1) and seconds == pytest.approx(into / 1e8)  # out of node 0 = into node 1
+    assert node_link_seconds(
+        plan_traffic(plan_model(sources, targets), Topology(2, 2, 4, 4, True)),
+        Topology(2, 2, 4, 4, True),
+        1e8,
+    ) == (0.0, None)
+    with pytest.raises(DryRunSpecError):
+        node_link_seconds(traffic, topology, 0)
