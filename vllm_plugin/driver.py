@@ -83,14 +83,18 @@ def connect_engine(
     token: str | None = None,
     timeout: float = 120.0,
     staging_cap_bytes: int | None = None,
+    atomic: bool = False,
 ) -> list[dict[str, Any]]:
     """Join engine ``index``'s workers to the sync group through the coordinator at ``address`` (blocks
     until every trainer rank and worker has joined: run it beside ``TrainerSync.attach``). A refused
     handshake raises ``PeerFailedError`` naming the engine and each worker's error; the engine's next call
-    (a ``status``, a second handshake) gets its own answers."""
+    (a ``status``, a second handshake) gets its own answers. ``atomic``: every sync lands whole or not at
+    all, a failed one leaves the old weights (each worker holds a copy of its weights during a sync)."""
     kwargs: dict[str, Any] = {"address": address, "engine": index, "token": token, "timeout": timeout}
     if staging_cap_bytes is not None:
         kwargs["staging_cap_bytes"] = staging_cap_bytes
+    if atomic:
+        kwargs["atomic"] = True
     return list(call(engine, "connect", kwargs=kwargs, name=str(index)))
 
 

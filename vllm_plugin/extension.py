@@ -112,9 +112,11 @@ class RolloutSyncExtension:
         token: str | None = None,
         timeout: float = 120.0,
         staging_cap_bytes: int | None = None,
+        atomic: bool = False,
     ) -> dict[str, Any]:
         """Join the sync group through the coordinator at ``address`` as a worker of engine ``engine``
-        (after ``rollout_sync_setup``). Blocks until every trainer rank and worker has joined."""
+        (after ``rollout_sync_setup``). Blocks until every trainer rank and worker has joined. ``atomic``:
+        a sync lands whole or not at all (``UpdateSession``)."""
         from vllm.distributed.parallel_state import get_tp_group
 
         from rollout_sync.transport import DEFAULT_STAGING_CAP_BYTES
@@ -131,6 +133,7 @@ class RolloutSyncExtension:
             token=token,
             timeout=timeout,
             staging_cap_bytes=staging_cap_bytes or DEFAULT_STAGING_CAP_BYTES,
+            atomic=atomic,
         )
         return dict(self.rollout_sync_link.status())
 

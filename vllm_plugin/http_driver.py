@@ -110,13 +110,15 @@ class ServerEngine:
             raise ValueError(f"engine {self.name}: only rollout_sync_* methods go over HTTP, not {method!r}")
         return self.call(method[len(PREFIX) :], kwargs, args)
 
-    def connect(self, address: str, engine: int, token: str | None, timeout: float = 120.0) -> list[Any]:
-        """Join the sync group (blocks until the trainer has joined: run it in a thread)."""
-        return self.call(
-            "connect",
-            {"address": address, "engine": engine, "token": token, "timeout": timeout},
-            timeout=timeout + 10.0,
-        )
+    def connect(
+        self, address: str, engine: int, token: str | None, timeout: float = 120.0, atomic: bool = False
+    ) -> list[Any]:
+        """Join the sync group (blocks until the trainer has joined: run it in a thread). ``atomic``: a
+        failed sync leaves the old weights (``driver.connect_engine``)."""
+        kwargs: dict[str, Any] = {"address": address, "engine": engine, "token": token, "timeout": timeout}
+        if atomic:
+            kwargs["atomic"] = True
+        return self.call("connect", kwargs, timeout=timeout + 10.0)
 
     def receive(self, timeout: float | None = None) -> list[dict[str, Any]]:
         """One sync into a paused server (``pause`` clears the prefix cache), resumed afterwards whether it

@@ -60,6 +60,9 @@ class RolloutSyncInitInfo(WeightTransferInitInfo):
     """The shared token; None: the ``ROLLOUT_SYNC_TOKEN`` environment variable."""
     timeout: float = 120.0
     """Seconds any wait of the handshake or of a sync may take."""
+    atomic: bool = False
+    """A sync lands whole or not at all: a failed one leaves the old weights (a copy of each worker's
+    weights is held during a sync)."""
 
 
 @dataclass
@@ -111,10 +114,11 @@ class RolloutSyncWeightTransferEngine(WeightTransferEngine[RolloutSyncInitInfo, 
                 tp_size=tp.world_size,
                 token=init_info.token,
                 timeout=init_info.timeout,
+                atomic=init_info.atomic,
             )
 
     def start_weight_update(self) -> None:
-        self._worker().begin()
+        self._worker().begin(atomic=self.link is not None and self.link.atomic)
 
     def receive_weights(self, update_info: RolloutSyncUpdateInfo) -> None:
         if update_info.checkpoint:

@@ -7,7 +7,8 @@ straight into the storage views (staging buffers for tensors refused for in-plac
 of a layer vLLM keeps in another form, made when its first tensor arrives and rebuilt by vLLM as soon as
 its last one has landed), commits with every other rank, then loads staged tensors and rebuilds derived
 copies. A failed receive aborts the update
-and leaves the link ``incomplete``: the worker does not claim the new version.
+and leaves the link ``incomplete``: the worker does not claim the new version; with ``atomic`` it also keeps
+every old weight (nothing is written into the engine's weights before the commit).
 """
 
 from __future__ import annotations
@@ -62,6 +63,7 @@ def connect(
     token: str | None = None,
     timeout: float = 120.0,
     staging_cap_bytes: int = DEFAULT_STAGING_CAP_BYTES,
+    atomic: bool = False,
 ) -> RolloutLink:
     return RolloutLink.connect(
         address,
@@ -74,6 +76,7 @@ def connect(
         timeout=timeout,
         staging_cap_bytes=staging_cap_bytes,
         device=device_kind(worker.model.parameters()),
+        atomic=atomic,
     )
 
 
@@ -88,7 +91,7 @@ def receive(worker: RolloutWorker, link: RolloutLink, *, open_update: bool = Tru
             # Delta syncs need the last sync's values: layers kept in another form then keep their loaded
             # form between syncs (its memory, ``kept_bytes``); full syncs stream them through memory.
             forms.keep(link.delta)
-    session = worker.begin() if open_update else worker.session
+    session = worker.begin(atomic=link.atomic) if open_update else worker.session
     if session is None:
         raise RuntimeError(f"rank {worker.rank}: no weight update is open (call start_weight_update first)")
     # A delta sync applies on the values the last sync left: not when something else wrote the weights

@@ -225,8 +225,9 @@ class RolloutWorker:
 
     # ------------------------------------------------------------------------------------------ updates
 
-    def begin(self) -> UpdateSession:
-        """Open a weight update; forwards raise until ``finish`` or ``abort``."""
+    def begin(self, atomic: bool = False) -> UpdateSession:
+        """Open a weight update; forwards raise until ``finish`` or ``abort``. ``atomic``: nothing is
+        written into the weights before ``finish`` (``UpdateSession``)."""
         if self.session is not None:
             raise IncompleteUpdateError(f"rank {self.rank}: a weight update is already open")
 
@@ -243,6 +244,7 @@ class RolloutWorker:
             load_full,
             self.loaded_forms,
             self._record_loaded if self.record_loaded else None,
+            atomic=atomic,
         )
         rank = self.rank
 

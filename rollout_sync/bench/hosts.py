@@ -153,7 +153,9 @@ def link_speed(hosts: Any, mib: int = 256) -> float:
     srv = hosts.run("b", [sys.executable, "-c", server], stdout=subprocess.PIPE)
     if srv.stdout.readline().strip() != b"listening":
         raise RuntimeError("the link test's server on host b did not start")
-    seconds = float(hosts.exec("a", [sys.executable, "-c", client, hosts.address("b"), str(mib)], timeout=600))
+    seconds = float(
+        hosts.exec("a", [sys.executable, "-c", client, hosts.address("b"), str(mib)], timeout=600)
+    )
     srv.wait(30)
     return mib * 2**20 * 8 / seconds
 

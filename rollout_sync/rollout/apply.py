@@ -195,7 +195,12 @@ class UpdateSession:
     """One weight update on one rank. Not thread-safe; one session at a time per worker.
 
     ``transient``: layers written in their loaded form and rebuilt as each completes; ``on_loaded(layer,
-    tensors)`` sees a completed layer's loaded form just before it is rebuilt (a digest check)."""
+    tensors)`` sees a completed layer's loaded form just before it is rebuilt (a digest check).
+
+    ``atomic``: the update lands whole or not at all. Storage that outlives the update (a parameter, a kept
+    loaded form) is received into a copy of itself, written back only by ``finish``; transient layers are
+    all opened at once and rebuilt only by ``finish``. An update aborted before (a failed sync) leaves every
+    weight as it was. It costs a copy of this rank's weights while the update is open."""
 
     def __init__(
         self,
@@ -207,8 +212,14 @@ class UpdateSession:
         load_full: Callable[[Sequence[tuple[str, torch.Tensor]]], None],
         transient: TransientLayers | None = None,
         on_loaded: LoadedHook | None = None,
+        atomic: bool = False,
     ) -> None:
         self.rank = rank
+        self.atomic = atomic
+        self.shadows: dict[
+            str, tuple[torch.Tensor, torch.Tensor]
+        ] = {}  # name -> (copy received into, storage)
+        self.completed: list[str] = []  # atomic: transient layers every tensor of which arrived
         self.views = views
         self.dtypes = dtypes
         self.params = params
@@ -262,8 +273,14 @@ class UpdateSession:
 
     def streamed(self, name: str) -> bool:
         """Whether ``name``'s storage exists only while it is written (a transient layer's loaded form,
-        unless loaded forms are kept)."""
-        return name in self.layer_of and self.transient is not None and not self.transient.keeping
+        unless loaded forms are kept, or the update is atomic: then every layer stays open until
+        ``finish``)."""
+        return (
+            name in self.layer_of
+            and self.transient is not None
+            and not self.transient.keeping
+            and not self.atomic
+        )
 
     def placeholder(self, name: str) -> torch.Tensor:
         """A meta tensor with the shape and dtype of ``name``'s storage (checked before it exists)."""
@@ -272,7 +289,17 @@ class UpdateSession:
 
     def storage(self, name: str) -> torch.Tensor:
         """The tensor to receive ``name``'s elements into (a view of a parameter, of a transient layer's
-        loaded form, or a staging buffer)."""
+        loaded form, or a staging buffer; atomic: a copy of a parameter's or a kept loaded form's view)."""
+        shadow = self.shadows.get(name)
+        if shadow is not None:
+            return shadow[0]
+        storage = self._storage(name)
+        if self.atomic and self.persistent(name):
+            self.shadows[name] = (storage.clone(), storage)  # a delta applies on the values it holds
+            return self.shadows[name][0]
+        return storage
+
+    def _storage(self, name: str) -> torch.Tensor:
         view = self.views.get(name)
         if view is None:
             raise KeyError(f"rank {self.rank} holds no storage of tensor {name!r}")
@@ -325,7 +352,7 @@ class UpdateSession:
         pending.discard(name)
         if pending:
             return
-        self._complete(layer)
+        self._arrived(layer)
 
     def mark_unchanged(self, name: str) -> None:
         """Every element of ``name`` on this rank arrived and none of them differs from what the storage
@@ -348,12 +375,20 @@ class UpdateSession:
             return
         pending.discard(name)
         if not pending:
+            self._arrived(layer)
+
+    def _arrived(self, layer: str) -> None:
+        """Every tensor of open transient ``layer`` arrived: rebuild it now, or in ``finish`` if atomic."""
+        if self.atomic:
+            del self.pending[layer]
+            self.completed.append(layer)
+        else:
             self._complete(layer)
 
     def _complete(self, layer: str) -> None:
         """Every tensor of open transient ``layer`` arrived: rebuild it where one of them changed."""
         assert self.transient is not None
-        del self.pending[layer]
+        self.pending.pop(layer, None)
         tensors = self.opened.pop(layer)
         if self.layer_tensors[layer] <= self.unchanged:
             self.transient.close_unchanged(layer)
@@ -364,9 +399,11 @@ class UpdateSession:
         self.rebuilt.append(layer)
 
     def abort(self) -> None:
-        """Drop open transient layers unrebuilt."""
+        """Drop open transient layers unrebuilt (and, atomic, every copy received into)."""
         self.pending.clear()
         self.opened.clear()
+        self.completed.clear()
+        self.shadows.clear()
         if self.transient is not None:
             self.transient.discard()
 
@@ -400,6 +437,13 @@ class UpdateSession:
                     f"{sorted(d.params)}, but this update did not write {len(missing)} of their tensors "
                     f"(first: {missing[:3]}); the weights of this rank are now inconsistent"
                 )
+        with torch.no_grad():
+            for copy, storage in self.shadows.values():
+                storage.copy_(copy)
+        self.shadows.clear()
+        for layer in self.completed:
+            self._complete(layer)
+        self.completed.clear()
         staged = [(n, buf) for n, buf in self.staging.items() if n in self.written]
         if staged:
             self.load_full(staged)

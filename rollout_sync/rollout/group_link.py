@@ -25,8 +25,9 @@ from ..transport.targets import TargetStream
 
 
 class RolloutLink:
-    def __init__(self, endpoint: Endpoint, engine: int, local_rank: int) -> None:
+    def __init__(self, endpoint: Endpoint, engine: int, local_rank: int, atomic: bool = False) -> None:
         self.endpoint = endpoint
+        self.atomic = atomic  # the owner keeps every old weight when a sync fails (``UpdateSession``)
         self.engine = engine
         self.local_rank = local_rank
         self.version: int | None = None
@@ -53,11 +54,13 @@ class RolloutLink:
         timeout: float = 120.0,
         staging_cap_bytes: int = DEFAULT_STAGING_CAP_BYTES,
         device: str | None = None,
+        atomic: bool = False,
     ) -> RolloutLink:
         """Join the handshake as worker ``local_rank`` of engine ``engine``. ``maps`` describe this worker's
         storage alone, under rank ``map_rank`` (default ``local_rank``); the coordinator renumbers it to the
         worker's global rank. ``device``: the device type of its storages (the coordinator checks the
-        group's backend carries it)."""
+        group's backend carries it). ``atomic``: the owner writes a sync into its weights only once it
+        committed (``rollout.apply.UpdateSession``)."""
         map_rank = local_rank if map_rank is None else map_rank
         for m in maps:
             if set(m.ranks) - {map_rank}:
@@ -77,7 +80,7 @@ class RolloutLink:
             timeout=timeout,
             options=ExecuteOptions(staging_cap_bytes=staging_cap_bytes, timeout=timeout),
         )
-        return cls(endpoint, engine, local_rank)
+        return cls(endpoint, engine, local_rank, atomic)
 
     @property
     def rank(self) -> int:

@@ -289,3 +289,43 @@ def test_only_storage_that_outlives_updates_can_arrive_unchanged():
         packed.mark_unchanged("gate")
     with pytest.raises(KeyError):
         plain.mark_unchanged("lm_head.weight")
+
+
+def test_an_atomic_update_writes_nothing_until_it_finishes_and_an_aborted_one_nothing_at_all():
+    layers, seen = _Layers(), []
+    session, params = _transient_session(layers, seen)
+    session.atomic = True
+    assert not session.streamed("q")  # every layer stays open until finish: no streaming window
+    for name, value in (("q", 1.0), ("k", 2.0), ("norm", 5.0)):
+        session.storage(name).fill_(value)
+        session.mark_written(name)
+    assert params["n"].eq(0).all(), "a parameter changed before the update finished"
+    assert layers.events == ["open attn.qkv"] and seen == [], "a layer was rebuilt before the update finished"
+    assert session.finish() == ["loaded form of attn.qkv"]
+    assert params["n"].eq(5).all() and layers.events == ["open attn.qkv", "close attn.qkv"]
+    ((_, loaded),) = seen
+    assert loaded[:2].eq(1).all() and loaded[2:].eq(2).all()
+
+    layers, seen = _Layers(), []
+    failed, params = _transient_session(layers, seen)
+    failed.atomic = True
+    for name in ("q", "k", "norm"):
+        failed.storage(name).fill_(9)
+        failed.mark_written(name)
+    failed.abort()  # the sync failed after every byte had landed, at the commit
+    assert params["n"].eq(0).all() and layers.events == ["open attn.qkv", "discard"] and seen == []
+
+
+def test_an_atomic_delta_applies_on_the_values_the_storage_holds():
+    layers, seen = _Layers(keeping=True), []
+    layers.kept.add("attn.qkv")
+    session, params = _transient_session(layers, seen)
+    session.atomic = True
+    params["n"].copy_(torch.tensor([1.0, 2.0, 3.0]))
+    copy = session.storage("norm")
+    assert copy.data_ptr() != params["n"].data_ptr() and copy.tolist() == [1.0, 2.0, 3.0]
+    copy[1] = 7.0  # a sparse delta
+    session.mark_written("norm")
+    assert params["n"].tolist() == [1.0, 2.0, 3.0]
+    session.finish()
+    assert params["n"].tolist() == [1.0, 7.0, 3.0]
