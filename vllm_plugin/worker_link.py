@@ -40,6 +40,9 @@ class _SessionStream:
     def close(self, name: str) -> None:
         self.session.mark_written(name)
 
+    def watches(self, name: str) -> bool:
+        return self.session.rebuilds_early(name)
+
     def held_bytes(self) -> int:
         return self.session.held_bytes()
 

@@ -6,7 +6,7 @@
 
 It starts ``LLM(...)`` with rollout-sync's worker extension, probes vLLM's own loaders for the target maps,
 connects its workers to the trainer's coordinator (either program may start first; each waits up to
-``--timeout`` for the other), then for each of ``--steps`` syncs: receives the weights in place, sets vLLM's
+``--join-deadline`` for the other), then for each of ``--steps`` syncs: receives the weights in place, sets vLLM's
 ``weight_version`` and generates greedily. With ``--verify-dir`` it then writes the trainer's own checkpoint
 of that version into vLLM through vLLM's loader maps and checks that no parameter changes (bit for bit), as
 ``examples/grpo.py --verify`` does. The last line is a JSON summary; the exit status is 0 when every sync
@@ -34,7 +34,15 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--engine", type=int, default=0, help="this engine's index among the trainer's --engines")
     ap.add_argument("--tp", type=int, default=2, help="vLLM tensor-parallel size")
     ap.add_argument("--steps", type=int, default=2, help="how many syncs to receive")
-    ap.add_argument("--timeout", type=float, default=300.0)
+    ap.add_argument("--timeout", type=float, default=300.0, help="seconds any wait of a sync may take")
+    ap.add_argument(
+        "--join-deadline", type=float, default=600.0, help="seconds to keep waiting for the trainer program"
+    )
+    ap.add_argument(
+        "--atomic",
+        action="store_true",
+        help="a sync lands whole or not at all: a failed one leaves the old weights (a copy is held per sync)",
+    )
     ap.add_argument("--verify-dir", default=None, help="where the trainer writes its weights per version")
     return ap.parse_args(argv)
 
@@ -81,6 +89,24 @@ def weights_digest(llm: Any) -> str:
     return hashlib.sha256(json.dumps(per_worker, sort_keys=True).encode()).hexdigest()[:16]
 
 
+def connect(llm: Any, args: argparse.Namespace, token: str) -> None:
+    """Join a handshake with the trainer program, waiting for it up to ``--join-deadline`` (a handshake that
+    times out is joined again: the trainer may still be starting, or failing a sync, or a link down)."""
+    from rollout_sync.errors import PeerFailedError
+    from vllm_plugin.driver import connect_engine
+
+    deadline = time.monotonic() + args.join_deadline
+    while True:
+        try:
+            connect_engine(
+                llm, args.address, args.engine, token=token, timeout=args.timeout, atomic=args.atomic
+            )
+            return
+        except PeerFailedError as exc:
+            if "SyncTimeoutError" not in str(exc) or time.monotonic() > deadline:
+                raise
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
@@ -88,8 +114,9 @@ def main(argv: list[str] | None = None) -> int:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
+    from rollout_sync.errors import RolloutSyncError
     from rollout_sync.sync.endpoint import resolve_token
-    from vllm_plugin.driver import connect_engine, receive_sync, setup_engines
+    from vllm_plugin.driver import receive_sync, setup_engines
 
     token = resolve_token(None)  # ROLLOUT_SYNC_TOKEN
     started = time.perf_counter()
@@ -107,13 +134,24 @@ def main(argv: list[str] | None = None) -> int:
     print(f"[rollout] vLLM engine up in {time.perf_counter() - started:.0f} s", flush=True)
     setup_engines([llm], first_rank=args.trainer_ranks + args.engine * args.tp)
     started = time.perf_counter()
-    connect_engine(llm, args.address, args.engine, token=token, timeout=args.timeout)
+    connect(llm, args, token)
     print(f"[rollout] joined the trainer's sync group in {time.perf_counter() - started:.1f} s", flush=True)
     greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     initial = weights_digest(llm)
-    rows = []
+    rows: list[dict[str, Any]] = []
     for _ in range(args.steps):
-        reports = receive_sync([llm])[0]  # blocks until the trainer ranks have sent this sync
+        before = weights_digest(llm)
+        try:
+            reports = receive_sync([llm])[0]  # blocks until the trainer ranks have sent this sync
+        except RolloutSyncError as exc:  # nothing claimed; with --atomic, no weight changed either
+            after = weights_digest(llm)
+            rows.append({"error": f"{type(exc).__name__}: {exc}", "weights_kept": after == before})
+            print(
+                f"[rollout] the sync failed ({type(exc).__name__}); weights kept: {after == before}",
+                flush=True,
+            )
+            connect(llm, args, token)  # a new handshake, the same engine
+            continue
         version = int(reports[0]["version"])
         outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in PROMPTS], greedy, use_tqdm=False)
         row: dict[str, Any] = {
@@ -144,7 +182,9 @@ def main(argv: list[str] | None = None) -> int:
             ),
             flush=True,
         )
-    ok = all(r.get("verified", True) and r["weight_version"] == str(r["version"]) for r in rows)
+    ok = any("error" not in r for r in rows) and all(
+        "error" in r or (r.get("verified", True) and r["weight_version"] == str(r["version"])) for r in rows
+    )
     print(json.dumps({"rollout": rows, "initial_weights_digest": initial, "ok": ok}), flush=True)
     return 0 if ok else 1
 

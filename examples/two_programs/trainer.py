@@ -39,7 +39,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--zero", type=int, default=3, choices=(0, 1, 2, 3), help="ZeRO stage")
     ap.add_argument("--lr", type=float, default=1e-3)
-    ap.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for the rollout program")
+    ap.add_argument("--timeout", type=float, default=300.0, help="seconds any wait of a sync may take")
+    ap.add_argument(
+        "--join-deadline", type=float, default=600.0, help="seconds to keep waiting for the rollout program"
+    )
     ap.add_argument("--verify-dir", default=None, help="write the trainer's weights here after each sync")
     return ap.parse_args(argv)
 
@@ -54,13 +57,30 @@ def write_verification(engine: Any, rank: int, model: str, out: Path, version: i
         (out / f"v{version}.done").write_text(json.dumps(sorted(full)))
 
 
+def attach(engine: Any, args: argparse.Namespace) -> Any:
+    """Join a handshake with the rollout program, waiting for it up to ``--join-deadline`` (a handshake
+    that times out is joined again: the other program may still be starting, or a link still down)."""
+    from rollout_sync.errors import SyncTimeoutError
+    from rollout_sync.trainer.hook import TrainerSync
+
+    deadline = time.monotonic() + args.join_deadline
+    while True:
+        try:
+            return TrainerSync.attach(
+                engine, address=args.address, engines=args.engines, timeout=args.timeout
+            )
+        except SyncTimeoutError:
+            if time.monotonic() > deadline:
+                raise
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     os.environ["DS_ACCELERATOR"] = "cpu"
     import torch
     import torch.distributed as dist
 
-    from rollout_sync.trainer.hook import TrainerSync
+    from rollout_sync.errors import RolloutSyncError
     from testbed.deepspeed import (
         DeepSpeedSpec,
         build_engine,
@@ -73,18 +93,30 @@ def main(argv: list[str] | None = None) -> int:
     rank = dist.get_rank()
     engine = build_engine(DeepSpeedSpec("dense", args.zero, lr=args.lr), args.model)
     started = time.perf_counter()
-    sync = TrainerSync.attach(engine, address=args.address, engines=args.engines, timeout=args.timeout)
+    sync = attach(engine, args)
     joined_s = time.perf_counter() - started
     if rank == 0:
         print(f"[trainer] rollout program joined; plan ready after {joined_s:.1f} s", flush=True)
     out = Path(args.verify_dir) if args.verify_dir else None
     if out is not None and rank == 0:
         out.mkdir(parents=True, exist_ok=True)
-    steps = []
+    steps: list[dict[str, Any]] = []
     for step in range(1, args.steps + 1):
-        loss = train_step(engine, seed=step)  # engine.step() inside syncs (the hook)
+        synced = len(sync.history)
+        try:
+            loss = train_step(engine, seed=step)  # engine.step() inside syncs (the hook)
+        except RolloutSyncError as exc:  # the step applied, its sync failed: on every rank
+            steps.append({"step": step, "error": f"{type(exc).__name__}: {exc}"})
+            if rank == 0:
+                print(
+                    f"[trainer] step {step}: the sync failed ({type(exc).__name__}); joining again",
+                    flush=True,
+                )
+            sync.detach()
+            sync = attach(engine, args)  # the same processes; the next step syncs into the engines again
+            continue
         last = sync.last
-        if last is None or len(sync.history) != step:
+        if last is None or len(sync.history) != synced + 1:
             raise RuntimeError(f"step {step} did not sync (history {len(sync.history)})")
         if out is not None:
             write_verification(engine, rank, args.model, out, last.version)

@@ -1,7 +1,8 @@
 """Sync across a host boundary with real engines: ours against the OpenRLHF-style baseline, over one shaped
 link, in one run.
 
-``python -m rollout_sync.bench hosts [--json] [--rates 1e9,2.5e9,0] [--syncs 2] [--warmup 1] [--no-delta]``
+``python -m rollout_sync.bench hosts [--json] [--rates 1e9,2.5e9,0] [--syncs 2] [--warmup 1]
+[--methods ours,delta,baseline]``
 
 Two emulated hosts (``testbed.hosts``: network, UTS, mount and PID namespaces, joined by a switch; needs
 root): host a runs the trainer, DeepSpeed ZeRO-3 on 2 ranks (SGD, never stepped); host b runs one vLLM CPU
@@ -253,7 +254,7 @@ def run(args: argparse.Namespace, model: Path) -> list[dict[str, Any]]:
 
                 ours = per_rate(hosts, rates, "ours", ours_at)
                 deltas: dict[float, dict[str, Any]] = {}
-                if not args.no_delta:
+                if "delta" in args.methods:
                     on_a.call(detach)
                     handshake(delta=True)
                     deltas = per_rate(
@@ -265,29 +266,31 @@ def run(args: argparse.Namespace, model: Path) -> list[dict[str, Any]]:
                         ),  # type: ignore[arg-type]
                     )
                 on_a.call(detach)
+                baseline: dict[float, dict[str, Any]] = {}
+                if "baseline" in args.methods:
+                    world = 1 + TP
+                    pending = on_a.submit(baseline_connect, hosts.address("a"), BASELINE_PORT, world, timeout)
+                    llm.collective_rpc(
+                        "openrlhf_baseline_connect",
+                        args=(hosts.address("a"), BASELINE_PORT, world, 1, timeout),
+                    )
+                    pending.result(timeout * 2)
+                    specs = on_a.call(param_specs)[0]
 
-                world = 1 + TP
-                pending = on_a.submit(baseline_connect, hosts.address("a"), BASELINE_PORT, world, timeout)
-                llm.collective_rpc(
-                    "openrlhf_baseline_connect", args=(hosts.address("a"), BASELINE_PORT, world, 1, timeout)
-                )
-                pending.result(timeout * 2)
-                specs = on_a.call(param_specs)[0]
+                    def baseline_once(i: int) -> Any:
+                        pending = on_a.submit(baseline_sync)
+                        w = llm.collective_rpc("openrlhf_baseline_receive", args=(specs,))
+                        return pending.result(timeout * 8), w
 
-                def baseline_once(i: int) -> Any:
-                    pending = on_a.submit(baseline_sync)
-                    w = llm.collective_rpc("openrlhf_baseline_receive", args=(specs,))
-                    return pending.result(timeout * 8), w
+                    def baseline_at(rate: float) -> dict[str, Any]:
+                        across.clear()
+                        summary, changed = _measure(
+                            "baseline", counted(baseline_once), args.warmup, args.syncs, llm, on_a
+                        )  # type: ignore[arg-type]
+                        equal, _ = _check_bitwise(on_a, llm, workdir / "check-hosts-baseline", model)  # type: ignore[arg-type]
+                        return {"summary": summary, "across": int(statistics.median(across[args.warmup :])), "equal": bool(equal and changed)}  # fmt: skip
 
-                def baseline_at(rate: float) -> dict[str, Any]:
-                    across.clear()
-                    summary, changed = _measure(
-                        "baseline", counted(baseline_once), args.warmup, args.syncs, llm, on_a
-                    )  # type: ignore[arg-type]
-                    equal, _ = _check_bitwise(on_a, llm, workdir / "check-hosts-baseline", model)  # type: ignore[arg-type]
-                    return {"summary": summary, "across": int(statistics.median(across[args.warmup :])), "equal": bool(equal and changed)}  # fmt: skip
-
-                baseline = per_rate(hosts, rates, "baseline", baseline_at)
+                    baseline = per_rate(hosts, rates, "baseline", baseline_at)
             finally:
                 leftover = on_b.call(engine_stop)[0]
                 if leftover:
@@ -296,7 +299,7 @@ def run(args: argparse.Namespace, model: Path) -> list[dict[str, Any]]:
     topology = Topology(TRAINERS, TP, TRAINERS, TP)
     rows = []
     for rate in rates:
-        o, b = ours[rate], baseline[rate]
+        o, b = ours[rate], baseline.get(rate)
         link_bps = rate or o["measured"]
         modeled, _ = node_link_seconds(traffic, topology, link_bps / 8)
         ours_s = float(o["summary"]["seconds"])
@@ -305,17 +308,17 @@ def run(args: argparse.Namespace, model: Path) -> list[dict[str, Any]]:
             "link_measured_bps": round(o["measured"]),
             "ours_s": round(ours_s, 4),
             "ours_all_s": list(o["summary"]["all_seconds"]),
-            "baseline_s": round(float(b["summary"]["seconds"]), 4),
-            "baseline_all_s": list(b["summary"]["all_seconds"]),
+            "baseline_s": round(float(b["summary"]["seconds"]), 4) if b else None,
+            "baseline_all_s": list(b["summary"]["all_seconds"]) if b else [],
             "bytes_across": o["across"],
-            "baseline_bytes_across": b["across"],
+            "baseline_bytes_across": b["across"] if b else None,
             "link_bound_s": round(o["across"] * 8 / link_bps, 4),
             "delta_rows": deltas.get(rate, {}).get("delta_rows", []),
             "modeled_s": round(modeled, 4),
             "bitwise_equal": o["equal"],
-            "baseline_bitwise_equal": b["equal"],
+            "baseline_bitwise_equal": b["equal"] if b else None,
         }
-        row["speedup"] = round(row["baseline_s"] / ours_s, 3)
+        row["speedup"] = round(row["baseline_s"] / ours_s, 3) if b else None
         row["ours_over_link_bound"] = round(ours_s / row["link_bound_s"], 3)
         row["modeled_over_ours"] = round(modeled / ours_s, 3)
         rows.append(row)
@@ -335,10 +338,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--timeout", type=float, default=300.0)
     parser.add_argument("--cap-mib", type=int, default=64, help="staging cap of ours, MiB")
-    parser.add_argument("--no-delta", action="store_true", help="skip the delta rows")
+    parser.add_argument("--methods", default="ours,delta,baseline", help="which to run besides ours")
     args = parser.parse_args(argv)
     if args.syncs < 1 or args.warmup < 0:
         parser.error("--syncs must be >= 1 and --warmup >= 0")
+    args.methods = {m for m in args.methods.split(",") if m}
+    if args.methods - {"ours", "delta", "baseline"}:
+        parser.error(f"--methods takes ours, delta, baseline, found {sorted(args.methods)}")
     os.environ["DS_ACCELERATOR"] = "cpu"
     from testbed.hosts import available
     from testbed.shaped_models import make_shaped_model
@@ -356,7 +362,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         deltas = ", ".join(f"{d['changed_fraction']:.0%} {d['ours_delta_s']:.2f} s" for d in r["delta_rows"])
         _log(
-            f"{rate}: ours {r['ours_s']:.2f} s vs baseline {r['baseline_s']:.2f} s ({r['speedup']:.2f}x); "
+            f"{rate}: ours {r['ours_s']:.2f} s vs baseline {r['baseline_s']} s ({r['speedup']}x); "
             f"{r['bytes_across'] / 1e9:.3f} GB across, link bound {r['link_bound_s']:.2f} s "
             f"({r['ours_over_link_bound']:.2f}x), modeled {r['modeled_s']:.2f} s; delta {deltas}; "
             f"bitwise {r['bitwise_equal']}"

@@ -282,6 +282,17 @@ class UpdateSession:
             and not self.atomic
         )
 
+    def rebuilds_early(self, name: str) -> bool:
+        """Whether ``name`` belongs to a kept loaded form whose layer is best rebuilt as soon as its last
+        tensor has landed in a full transfer (``mark_written`` then, while the rest is on the wire), as a
+        streamed layer is. Not in an atomic update, which rebuilds nothing before ``finish``."""
+        return (
+            name in self.layer_of
+            and self.transient is not None
+            and self.transient.keeping
+            and not self.atomic
+        )
+
     def placeholder(self, name: str) -> torch.Tensor:
         """A meta tensor with the shape and dtype of ``name``'s storage (checked before it exists)."""
         view = self.views[name]

@@ -1,5 +1,7 @@
 """A rank's target storages during one transfer: given tensors, and streamed ones (given as meta tensors)
-that a ``TargetStream`` makes at their first part and closes after their last."""
+that a ``TargetStream`` makes at their first part and closes after their last. A stream may also watch given
+targets (``watches``): it is told when the last part of one has landed, so that what it derives from that
+target (a kernel's form rebuilt from a kept loaded form) is made while the rest is still on the wire."""
 
 from __future__ import annotations
 
@@ -23,6 +25,10 @@ class TargetStream(Protocol):
 
     def close(self, name: str) -> None:
         """Every element of ``name`` this rank receives has landed."""
+        ...
+
+    def watches(self, name: str) -> bool:
+        """Whether to ``close`` given (not streamed) target ``name`` too once its last part has landed."""
         ...
 
     def held_bytes(self) -> int:
@@ -62,12 +68,13 @@ class Targets:
         if stream is None:
             return
         self.streamed = frozenset(n for n, t in given.items() if t.is_meta)
+        self.watched = frozenset(n for n, t in given.items() if not t.is_meta and stream.watches(n))
         names = [parts[0].name for _, parts in program.direct_receives]
         names += [p.name for entries in program.receives.values() for _, parts in entries for p in parts]
         names += [half.tensors[s.tensor].name for s in program.schedule.local]
         names += [half.tensors[s.tensor].name for _, segs in program.schedule.handoff_from for s in segs]
         for name in names:
-            if name in self.streamed:
+            if name in self.streamed or name in self.watched:
                 self.remaining[name] = self.remaining.get(name, 0) + 1
 
     def get(self, name: str) -> torch.Tensor:

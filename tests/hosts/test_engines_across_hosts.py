@@ -131,3 +131,106 @@ def test_zero2_trainer_syncs_an_engine_on_its_own_host_through_shared_memory_and
     local, remote = (s["rollout"] for s in summaries)
     assert all(r["bytes_same_host"] > 0 and r["bytes_over_group"] == 0 for r in local), local
     assert all(r["bytes_over_group"] > 0 and r["bytes_same_host"] == 0 for r in remote), remote
+
+
+def test_a_link_cut_mid_sync_leaves_the_engine_s_old_weights_and_the_programs_sync_again_once_it_is_back(
+    tiny_model: Any, tmp_path: Path
+):
+    """The two programs (ZeRO-3, vLLM TP 2 with ``--atomic``), three steps. Once sync 1 has landed the link
+    is slowed to 1 Mbit/s, and when sync 2 has begun to cross it (its bytes counted on the link) it is cut.
+    Both programs fail that sync within their timeout, the engine keeps version 1's weights bit for bit and
+    does not claim version 2; once the link is restored both join a new handshake, in the same processes,
+    and sync 3 lands and verifies."""
+    model = tiny_model("dense")
+    env = {**os.environ, "ROLLOUT_SYNC_TOKEN": "cut-test", "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}  # fmt: skip
+    with Hosts(["a", "b"]) as hosts:
+        address = f"tcp://{hosts.name_of('a')}:{PORT}"
+        common = [
+            "--model",
+            str(model),
+            "--address",
+            address,
+            "--steps",
+            "3",
+            "--verify-dir",
+            str(tmp_path / "v"),
+        ]
+        common += ["--timeout", "15"]
+        trainer_cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes",
+            "1",
+            "--nproc-per-node",
+            "2",
+        ]
+        trainer_cmd += [
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            "29500",
+            str(EXAMPLE / "trainer.py"),
+            *common,
+        ]
+        rollout_cmd = [
+            sys.executable,
+            str(EXAMPLE / "rollout.py"),
+            *common,
+            "--trainer-ranks",
+            "2",
+            "--tp",
+            "2",
+        ]
+        logs = {"trainer": tmp_path / "trainer.log", "rollout": tmp_path / "rollout.log"}
+        procs = {
+            "rollout": hosts.run(
+                "b",
+                [*rollout_cmd, "--atomic"],
+                env=env,
+                stdout=logs["rollout"].open("wb"),
+                stderr=subprocess.STDOUT,
+            ),
+            "trainer": hosts.run(
+                "a", trainer_cmd, env=env, stdout=logs["trainer"].open("wb"), stderr=subprocess.STDOUT
+            ),
+        }
+
+        def seen(name: str, text: str) -> bool:
+            if any(p.poll() is not None for p in procs.values()):
+                tails = {n: log.read_text(errors="replace")[-3000:] for n, log in logs.items()}
+                raise AssertionError(f"a program ended early: {tails}")
+            return text in logs[name].read_text(errors="replace")
+
+        try:
+            deadline = time.monotonic() + DEADLINE_S
+            while not seen("rollout", "received v1"):
+                assert time.monotonic() < deadline, "sync 1 did not land"
+                time.sleep(0.2)
+            hosts.shape("b", rate_bps=10**6)
+            start = hosts.bytes_into("b")
+            while hosts.bytes_into("b") - start < 150_000:  # sync 2 is crossing the link (1.1 MB in all)
+                assert time.monotonic() < deadline and not seen("rollout", "received v2"), "no sync 2 to cut"
+                time.sleep(0.05)
+            hosts.cut("b")
+            cut_at = time.monotonic()
+            while not (seen("rollout", "the sync failed") and seen("trainer", "the sync failed")):
+                assert time.monotonic() - cut_at < 60, "a program did not fail sync 2 in time"
+                time.sleep(0.2)
+            failed_in = time.monotonic() - cut_at
+            hosts.restore("b")
+            hosts.shape("b")
+            for proc in procs.values():
+                proc.wait(max(deadline - time.monotonic(), 1.0))
+        finally:
+            for proc in procs.values():
+                Hosts.stop(proc)
+    tails = {n: log.read_text(errors="replace")[-4000:] for n, log in logs.items()}
+    assert all(p.returncode == 0 for p in procs.values()), tails
+    assert failed_in < 15 + 10 + 5, failed_in  # the sync's wait, then the failure commit's (at most 10 s)
+    rows = _last_json(logs["rollout"])["rollout"]
+    trained = _last_json(logs["trainer"])["trainer"]
+    assert [r.get("version") for r in rows] == [1, None, 3], rows
+    assert "error" in rows[1] and rows[1]["weights_kept"] is True, rows[1]
+    assert rows[0]["verified"] and rows[2]["verified"] and rows[2]["weight_version"] == "3", rows
+    assert [t.get("version") for t in trained] == [1, None, 3] and "error" in trained[1], trained

@@ -37,9 +37,10 @@ OPTIONS = (
 class _Recorder:
     """Hands out the poisoned target storages on ``open``; checks each against the oracle on ``close``."""
 
-    def __init__(self, storages, buffers, expected, reserve: int = 0) -> None:
+    def __init__(self, storages, buffers, expected, reserve: int = 0, watch: bool = False) -> None:
         self.storages, self.buffers, self.expected = storages, buffers, expected
         self.reserve = reserve
+        self.watch = watch  # given targets: told when their last part landed
         self.opened: list[str] = []
         self.closed: list[str] = []
         self.incomplete: list[str] = []
@@ -66,6 +67,9 @@ class _Recorder:
         t = self.storages[name]
         return 0 if name in self.held else t.numel() * t.element_size()
 
+    def watches(self, name: str) -> bool:
+        return self.watch
+
     def close(self, name: str) -> None:
         self.closed.append(name)
         self.held.pop(name, None)
@@ -73,7 +77,9 @@ class _Recorder:
             self.incomplete.append(name)
 
 
-def _streamed(rank: int, world: int, group, seeds: list[int]) -> list[dict]:
+def _streamed(rank: int, world: int, group, seeds: list[int], watched: bool = False) -> list[dict]:
+    """Each sync's targets are given as placeholders that the stream makes, or (``watched``) as the storages
+    themselves, which the stream watches: either way it must close each after its last part."""
     out = []
     for seed in seeds:
         sc = random_scenario(seed, world)
@@ -84,11 +90,15 @@ def _streamed(rank: int, world: int, group, seeds: list[int]) -> list[dict]:
             for _ in range(2):  # the program is cached: the second sync streams the same way
                 buffers, storages = target_buffers(sc, rank)
                 expected = expected_buffers(sc, rank)
-                stream = _Recorder(storages, buffers, expected)
-                placeholders = {
-                    n: torch.empty(t.shape, dtype=t.dtype, device="meta") for n, t in storages.items()
-                }
-                executor.execute(half, sources, placeholders, stream=stream)
+                stream = _Recorder(storages, buffers, expected, watch=watched)
+                if watched:
+                    given = dict(storages)
+                    stream.opened = sorted(given)  # given: never made by the stream
+                else:
+                    given = {
+                        n: torch.empty(t.shape, dtype=t.dtype, device="meta") for n, t in storages.items()
+                    }
+                executor.execute(half, sources, given, stream=stream)
                 wrong = sorted(n for n in expected if not bitwise_equal(expected[n], buffers[n]))
                 received = sorted({half.tensors[s.tensor].name for s in (*half.receives, *half.local)})
                 out.append(
@@ -104,8 +114,11 @@ def _streamed(rank: int, world: int, group, seeds: list[int]) -> list[dict]:
 
 
 @pytest.mark.parametrize("world", [2, 4])
-def test_streamed_targets_are_made_at_their_first_part_and_closed_complete_after_their_last(world: int):
-    results = run_on_ranks(_streamed, world, [world * 10 + k for k in range(3)], timeout=300)
+@pytest.mark.parametrize("watched", [False, True], ids=["streamed", "watched"])
+def test_streamed_targets_are_made_at_their_first_part_and_closed_complete_after_their_last(
+    world: int, watched: bool
+):
+    results = run_on_ranks(_streamed, world, [world * 10 + k for k in range(3)], watched, timeout=300)
     for rank, per_rank in enumerate(results):
         for r in per_rank:
             assert r["wrong"] == [], f"rank {rank}"
