@@ -27,8 +27,9 @@ from typing import Any
 
 import torch
 
-from rollout_sync.rollout.apply import DerivedCopy, covered_ranges, uncovered_ranges
+from rollout_sync.rollout.apply import covered_ranges, uncovered_ranges
 from rollout_sync.rollout.storage_view import StorageView
+from rollout_sync.rollout.update import DerivedCopy
 
 __all__ = ["derived_copies"]
 

@@ -48,8 +48,9 @@ from typing import Any
 import torch
 
 from rollout_sync.errors import UnsupportedLayoutError
-from rollout_sync.rollout.apply import REBUILD_ROOM, covered_ranges, uncovered_ranges
+from rollout_sync.rollout.apply import covered_ranges, uncovered_ranges
 from rollout_sync.rollout.storage_view import StorageView
+from rollout_sync.rollout.update import REBUILD_ROOM
 
 from .layer_memory import LayerMemory
 

@@ -17,8 +17,8 @@ from typing import Any
 
 import torch
 
-from rollout_sync.rollout.apply import UpdateSession
 from rollout_sync.rollout.group_link import RolloutLink
+from rollout_sync.rollout.update import UpdateSession
 from rollout_sync.sync.roster import device_kind
 from rollout_sync.transport import DEFAULT_STAGING_CAP_BYTES
 

@@ -32,17 +32,12 @@ import torch
 
 from rollout_sync.errors import IncompleteUpdateError, UnsupportedLayoutError
 from rollout_sync.layout.dtypes import dtype_name
-from rollout_sync.rollout.apply import (
-    DerivedCopy,
-    UpdateSession,
-    covered_ranges,
-    uncovered_ranges,
-    write_pieces,
-)
+from rollout_sync.rollout.apply import covered_ranges, uncovered_ranges, write_pieces
 from rollout_sync.rollout.checkpoint import logical_tensors, read_tensors
 from rollout_sync.rollout.codec import local_targets_to_dict
 from rollout_sync.rollout.landing_maps import DEFAULT_MAX_PIECES
 from rollout_sync.rollout.local_targets import LocalTargets, fallback_map
+from rollout_sync.rollout.update import DerivedCopy, UpdateSession
 
 from .loaded_form import LoadedForms
 

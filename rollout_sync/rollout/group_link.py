@@ -60,7 +60,7 @@ class RolloutLink:
         storage alone, under rank ``map_rank`` (default ``local_rank``); the coordinator renumbers it to the
         worker's global rank. ``device``: the device type of its storages (the coordinator checks the
         group's backend carries it). ``atomic``: the owner writes a sync into its weights only once it
-        committed (``rollout.apply.UpdateSession``)."""
+        committed (``rollout.update.UpdateSession``)."""
         map_rank = local_rank if map_rank is None else map_rank
         for m in maps:
             if set(m.ranks) - {map_rank}:

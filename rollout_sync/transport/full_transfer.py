@@ -107,7 +107,8 @@ class FullTransfer:
         window: deque[tuple[Pending, str, int]] = deque()
         # direct messages of a same-host pair that pulls are not messages: the receiver pulls them
         receives = [e for e in program.direct_receives if e[0].peer not in self.pairs.pulls_from]
-        ops = [] if targets.streamed else [self._recv(m, parts) for m, parts in receives]
+        ordered = targets.streamed | targets.watched  # their landings are told, in plan order
+        ops = [] if ordered else [self._recv(m, parts) for m, parts in receives]
         ops += [
             Op(
                 "send",
@@ -120,7 +121,7 @@ class FullTransfer:
             if m.peer not in self.pairs.pulled_by
         ]
         posted = transport.post(ops)
-        if targets.streamed:
+        if ordered:
             # the staging arena, the memory the stream holds and what closing a target may allocate
             # share the cap
             budget = self.staging_cap_bytes - arena.numel() * arena.element_size() - targets.reserve_bytes()
@@ -129,7 +130,7 @@ class FullTransfer:
                 receives, key=lambda e: (e[0].parts[0].segment.tensor, e[0].peer, e[0].round)
             ):
                 name = parts[0].name
-                if name not in targets.streamed:
+                if name not in ordered:
                     posted += transport.post([self._recv(m, parts)])
                     continue
                 while window and targets.held_bytes() + targets.adds_bytes(name) > budget:
@@ -218,6 +219,9 @@ class FullTransfer:
                 ack = transport.consumed(m.peer, m.tag, f"round {r}")
                 if ack is not None:
                     self.acks.append(ack)
+            t = clock.add("unpack", t)
+            while window and transport.completed(window[0][0]):  # direct messages landed meanwhile
+                targets.landed(window.popleft()[1])
             t = clock.add("unpack", t)
             if r + depth < rounds:
                 transport.wait(self.pending_send.pop(r, []))  # its slots are reused by round r + depth

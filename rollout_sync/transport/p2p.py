@@ -231,6 +231,15 @@ class Transport:
             pending.append(self._post_one(op))
         return pending
 
+    def completed(self, p: Pending) -> bool:
+        """Whether ``p`` has finished, without waiting (a failure is raised by the next ``wait``)."""
+        if not p.done:
+            try:
+                p.done = bool(p.work.is_completed()) and p.work.is_success()
+            except RuntimeError:
+                return False
+        return p.done
+
     def wait(self, pending: Sequence[Pending]) -> None:
         for p in pending:
             if p.done:

@@ -63,6 +63,7 @@ class Targets:
         self.given = given
         self.stream = stream
         self.streamed: frozenset[str] = frozenset()
+        self.watched: frozenset[str] = frozenset()
         self.remaining: dict[str, int] = {}
         self.made: dict[str, torch.Tensor] = {}
         if stream is None:

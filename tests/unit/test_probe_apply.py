@@ -1,4 +1,4 @@
-"""Writing into storage views in place and rebuilding derived copies (``rollout_sync.rollout.apply``), with
+"""Writing into storage views in place and rebuilding derived copies (``rollout_sync.rollout.apply``, ``rollout_sync.rollout.update``), with
 plain CPU tensors standing for an engine's parameters (no vLLM)."""
 
 from __future__ import annotations
@@ -10,8 +10,6 @@ from rollout_sync.errors import IncompleteUpdateError, OutOfBoundsError, Unsuppo
 from rollout_sync.layout.box import Box
 from rollout_sync.layout.maps import Piece, RankStorage
 from rollout_sync.rollout.apply import (
-    DerivedCopy,
-    UpdateSession,
     covered_ranges,
     storage_tensor,
     uncovered_ranges,
@@ -19,6 +17,7 @@ from rollout_sync.rollout.apply import (
     write_segment,
 )
 from rollout_sync.rollout.storage_view import StorageView
+from rollout_sync.rollout.update import DerivedCopy, UpdateSession
 
 
 def test_a_storage_view_is_a_row_range_of_the_parameter_without_a_copy():
