@@ -31,6 +31,8 @@ from .commit import commit
 from .roster import RosterEntry, blame, decode_roster, in_process_peers, same_host_peers, this_process
 
 TOKEN_ENV = "ROLLOUT_SYNC_TOKEN"
+FAILURE_NOTICE_AFTER_TIMEOUT_S = 1.0
+"""How long a rank whose wait timed out spends telling its peers, before it raises."""
 
 
 def resolve_token(token: str | None) -> str:
@@ -221,7 +223,9 @@ class Endpoint:
             # NCCL: a failed or timed-out operation may have aborted the communicator (its watchdog does
             # on a timeout), and a collective over an aborted communicator hangs or crashes the process:
             # no failure commit there; the group is aborted below and every other rank's own wait fails.
-            # gloo: the failure commit tells the peers why, within 10 s.
+            # gloo: the failure commit tells the peers why, within 10 s; after a wait that timed out, within
+            # FAILURE_NOTICE_AFTER_TIMEOUT_S: the peer it waited for is dead, stalled or cut off, and those
+            # still waiting time out on their own, so the failure surfaces within the timeout, not after it.
             if not self.is_nccl:
                 with contextlib.suppress(RolloutSyncError):
                     commit(
@@ -232,7 +236,10 @@ class Endpoint:
                         version=version,
                         ok=False,
                         reason=reason,
-                        timeout=min(self.options.timeout, 10.0),
+                        timeout=min(
+                            self.options.timeout,
+                            FAILURE_NOTICE_AFTER_TIMEOUT_S if isinstance(exc, SyncTimeoutError) else 10.0,
+                        ),
                         device=self.device,
                     )
             named = self._named(exc)

@@ -136,14 +136,16 @@ def test_zero2_trainer_syncs_an_engine_on_its_own_host_through_shared_memory_and
 def test_a_link_cut_mid_sync_leaves_the_engine_s_old_weights_and_the_programs_sync_again_once_it_is_back(
     tiny_model: Any, tmp_path: Path
 ):
-    """The two programs (ZeRO-3, vLLM TP 2 with ``--atomic``), three steps. Once sync 1 has landed the link
-    is slowed to 1 Mbit/s, and when sync 2 has begun to cross it (its bytes counted on the link) it is cut.
+    """The two programs (ZeRO-3, vLLM TP 2 with ``--atomic``), three steps, over a link slowed to 1 Mbit/s
+    (a sync's 1.1 MB take about 9 s). Once sync 2 has begun to cross it (its bytes counted on the link), the
+    link is cut.
     Both programs fail that sync within their timeout, the engine keeps version 1's weights bit for bit and
     does not claim version 2; once the link is restored both join a new handshake, in the same processes,
     and sync 3 lands and verifies."""
     model = tiny_model("dense")
     env = {**os.environ, "ROLLOUT_SYNC_TOKEN": "cut-test", "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}  # fmt: skip
     with Hosts(["a", "b"]) as hosts:
+        hosts.shape("b", rate_bps=10**6)
         address = f"tcp://{hosts.name_of('a')}:{PORT}"
         common = [
             "--model",
@@ -207,7 +209,6 @@ def test_a_link_cut_mid_sync_leaves_the_engine_s_old_weights_and_the_programs_sy
             while not seen("rollout", "received v1"):
                 assert time.monotonic() < deadline, "sync 1 did not land"
                 time.sleep(0.2)
-            hosts.shape("b", rate_bps=10**6)
             start = hosts.bytes_into("b")
             while hosts.bytes_into("b") - start < 150_000:  # sync 2 is crossing the link (1.1 MB in all)
                 assert time.monotonic() < deadline and not seen("rollout", "received v2"), "no sync 2 to cut"
@@ -227,7 +228,7 @@ def test_a_link_cut_mid_sync_leaves_the_engine_s_old_weights_and_the_programs_sy
                 Hosts.stop(proc)
     tails = {n: log.read_text(errors="replace")[-4000:] for n, log in logs.items()}
     assert all(p.returncode == 0 for p in procs.values()), tails
-    assert failed_in < 15 + 10 + 5, failed_in  # the sync's wait, then the failure commit's (at most 10 s)
+    assert failed_in < 15 + 5, failed_in  # the wait that timed out (15 s), then a 1 s notice to the peers
     rows = _last_json(logs["rollout"])["rollout"]
     trained = _last_json(logs["trainer"])["trainer"]
     assert [r.get("version") for r in rows] == [1, None, 3], rows

@@ -99,6 +99,7 @@ def test_a_lossy_link_drops_packets_and_tcp_still_delivers_every_byte():
         hosts.exec("a", [sys.executable, "-c", probe % hosts.address("b")])
         arrived = (hosts.bytes_into("b") - before) / (2000 * 43)  # one byte of payload: 43-byte frames
         assert 0.7 < arrived < 0.9, f"{arrived:.2f} of the datagrams arrived through a 20% lossy link"
+        hosts.shape("b", loss_pct=5)  # TCP through 20% loss each way backs off for minutes
         _, received = _send(hosts, "a", "b", 4)
         assert received == 4 << 20
 

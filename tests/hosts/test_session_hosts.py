@@ -170,7 +170,8 @@ def test_a_link_cut_during_a_sync_fails_every_rank_in_time_naming_the_peers_and_
     tmp_path: Path,
 ):
     """Sync 2 crosses a 2 Mbit/s link (about 1.5 s for the engine's bytes); 0.5 s in, the link is cut. Every
-    rank fails within its timeout (and the failure commit's), naming the peers across the cut; the workers
+    rank fails within its timeout (plus the 1 s it spends telling its peers), naming the peers across the
+    cut; the workers
     do not claim version 2. Once the link is back, both sides join a new handshake, in the same processes,
     and sync 3 lands every element."""
     with Hosts(["a", "b"]) as hosts:
@@ -197,14 +198,14 @@ def test_a_link_cut_during_a_sync_fails_every_rank_in_time_naming_the_peers_and_
     second = lines_for(ranks, 2)
     for r, line in zip(ranks, second, strict=True):
         assert line is not None and "error" in line, (r.name, line)
-        assert line["seconds"] < 2 * TIMEOUT_S + 5, (r.name, line)  # the transfer's wait, then the commit's
+        assert line["seconds"] < TIMEOUT_S + 5, (r.name, line)  # the wait that timed out, then a 1 s notice
         assert "failed peer(s)" in line["error"] or "peers of this sync" in line["error"], (r.name, line)
     for line in second[:2]:  # the trainers name the engine across the cut, with its host's address
         assert "engine 0" in line["error"] and hosts.address("b") in line["error"], line
     for line in second[2:]:  # the workers name the trainer ranks across the cut
         assert "trainer rank" in line["error"] and hosts.address("a") in line["error"], line
         assert line["status"]["version"] == 1 and line["status"]["incomplete"] is True, line
-    assert failed_within < 2 * TIMEOUT_S + 5, failed_within
+    assert failed_within < TIMEOUT_S + 5, failed_within
     third = lines_for(ranks, 3)
     assert all(line is not None and "error" not in line for line in third), third
     assert all(line["wrong"] == [] for line in third[2:]), third
