@@ -1,7 +1,8 @@
 """Entry point of the ``vllm.general_plugins`` group (declared in ``pyproject.toml``): registers the
 ``rollout_sync`` weight-transfer backend with vLLM, so that ``weight_transfer_config={"backend":
 "rollout_sync"}`` (``--weight-transfer-config '{"backend": "rollout_sync"}'``) selects it, and makes the
-engine core wait idle for its workers' replies to rollout-sync's calls (``quiet_wait``).
+engine core wait idle for its workers' replies to rollout-sync's calls (``quiet_wait``) and gives it the
+utility that forgets its prefix cache after a sync into requests in flight (``prefix_cache``).
 
 vLLM loads general plugins in every process (driver, engine core, workers), possibly several times per
 process: registration is idempotent. The engine module is imported lazily, only where an engine is
@@ -18,9 +19,10 @@ BACKEND = "rollout_sync"
 def register() -> None:
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
-    from .quiet_wait import install
+    from . import prefix_cache, quiet_wait
 
-    install()
+    quiet_wait.install()
+    prefix_cache.install()
 
     registry = getattr(WeightTransferEngineFactory, "_registry", {})
     if BACKEND in registry:

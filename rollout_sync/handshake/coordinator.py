@@ -189,11 +189,13 @@ class Coordinator:
                 self._refuse(identity, f"expected ready, received {message.kind!r}")
             ready.add(identity)
 
-    def abort(self, reason: str) -> None:
-        """Tell every admitted peer that the handshake failed (best effort, never blocks)."""
+    def abort(self, reason: str, *, timed_out: bool = False) -> None:
+        """Tell every admitted peer that the handshake failed (best effort, never blocks); ``timed_out``:
+        because a wait ran out (each peer then raises ``SyncTimeoutError``, as the coordinator does)."""
+        fields = {"reason": reason, **({"timed_out": True} if timed_out else {})}
         for identity in self.peers:
             with contextlib.suppress(zmq.ZMQError):
-                self._send(identity, Message(ABORT, self._token, {"reason": reason}), block=False)
+                self._send(identity, Message(ABORT, self._token, fields), block=False)
 
     def close(self) -> None:
         self._sock.close(linger=200)
@@ -205,7 +207,9 @@ class Coordinator:
             left = deadline - time.monotonic()
             if left <= 0 or not self._sock.poll(int(left * 1000)):
                 missing = ", ".join(waiting_for())
-                self.abort(f"handshake timed out after {self.timeout:.0f} s waiting for {missing}")
+                self.abort(
+                    f"handshake timed out after {self.timeout:.0f} s waiting for {missing}", timed_out=True
+                )
                 raise SyncTimeoutError(
                     f"handshake timed out after {self.timeout:.0f} s waiting for {missing}{self._hint()}"
                 )

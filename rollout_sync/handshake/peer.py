@@ -3,7 +3,8 @@
 State machine, peer side::
 
     CONNECTED ──hello──► WAITING ──welcome──► WELCOMED ──ready()──► DONE
-    WAITING   ──refused / abort──► raise HandshakeError with the coordinator's reason
+    WAITING   ──refused / abort──► raise HandshakeError with the coordinator's reason (SyncTimeoutError
+                                    when the coordinator gave up waiting for another peer)
     WAITING   ──deadline──► raise SyncTimeoutError
     WELCOMED  ──failed(reason)──► the coordinator aborts everyone
 """
@@ -72,9 +73,8 @@ class Peer:
             ) from None
         if message.kind in (REFUSED, ABORT):
             verb = "refused this peer" if message.kind == REFUSED else "aborted the handshake"
-            raise HandshakeError(
-                f"the coordinator at {self.address} {verb}: {message.fields.get('reason', '')}"
-            )
+            error = SyncTimeoutError if message.fields.get("timed_out") else HandshakeError
+            raise error(f"the coordinator at {self.address} {verb}: {message.fields.get('reason', '')}")
         if message.kind != kind:
             raise HandshakeError(f"expected {kind!r} from the coordinator, received {message.kind!r}")
         return message

@@ -119,4 +119,5 @@ class RolloutLink:
             "version": self.version,
             "incomplete": self.incomplete,
             "last_error": self.last_error,
+            "atomic": self.atomic,
         }

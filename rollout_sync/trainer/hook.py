@@ -23,7 +23,7 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
-from ..errors import HandshakeError, PlanMismatchError
+from ..errors import HandshakeError, PlanMismatchError, SyncTimeoutError
 from ..handshake import TRAINER, Coordinator
 from ..layout.maps import TensorMap
 from ..planning.policy import ReplicaPolicy
@@ -175,7 +175,7 @@ class TrainerSync:
                 timeout=timeout,
                 options=options,
             )
-        except HandshakeError as exc:
+        except (HandshakeError, SyncTimeoutError) as exc:
             if thread is not None:
                 thread.join(timeout)
                 if "error" in coordinated:
