@@ -68,6 +68,7 @@ LONG_MODULES = (
     "tests/trl/test_trl_grpo.py",
     "tests/hosts/test_engines_across_hosts.py",
     "tests/hosts/test_trl_across_hosts.py",
+    "tests/vllm/test_inflight.py",
 )
 ENGINE_GROUP = "vllm-engine-pool"
 

@@ -20,8 +20,8 @@ into its workers, sets vLLM's weight version to the version the trainer sent, an
 to keys and values the old weights computed (as PipelineRL does; free). ``"recompute"`` preempts them
 instead: on resuming, vLLM recomputes their KV cache with the new weights from their tokens so far, so no
 token is computed over mixed-version KV (the cost: one prefill of every frozen request's tokens). In every
-mode, no request after the sync reuses a prefix block the old weights computed: the engine forgets its
-prefix cache (``rollout_sync_forget_prefixes``, blocks in use stay with their requests).
+mode, no request after the sync reuses a prefix block the old weights computed: a new weight version makes
+the engine forget its prefix cache (``prefix_cache``; blocks in use stay with their requests).
 
 **Which weights produced which token.** vLLM stamps every engine step's outputs with the engine's weight
 version, and a finished ``RequestOutput``'s completions carry ``weight_versions``: spans ``[start, end)``
@@ -114,7 +114,6 @@ async def _receive_one(engine: Any, k: int, mode: PauseMode, kv: KvMode) -> list
     try:
         if mode == "keep" and kv == "recompute":
             await engine.reset_prefix_cache(reset_running_requests=True)
-        await engine.engine_core.call_utility_async("rollout_sync_forget_prefixes")
     finally:
         versions = {int(r["version"]) for r in reports}
         if len(versions) == 1:

@@ -2,7 +2,7 @@
 ``rollout_sync`` weight-transfer backend with vLLM, so that ``weight_transfer_config={"backend":
 "rollout_sync"}`` (``--weight-transfer-config '{"backend": "rollout_sync"}'``) selects it, and makes the
 engine core wait idle for its workers' replies to rollout-sync's calls (``quiet_wait``) and gives it the
-utility that forgets its prefix cache after a sync into requests in flight (``prefix_cache``).
+forgets its prefix cache at every new weight version, also while requests are in flight (``prefix_cache``).
 
 vLLM loads general plugins in every process (driver, engine core, workers), possibly several times per
 process: registration is idempotent. The engine module is imported lazily, only where an engine is
