@@ -120,19 +120,35 @@ class ServerEngine:
             kwargs["atomic"] = True
         return self.call("connect", kwargs, timeout=timeout + 10.0)
 
-    def receive(self, timeout: float | None = None) -> list[dict[str, Any]]:
-        """One sync into a paused server (``pause`` clears the prefix cache), resumed afterwards whether it
-        succeeded or not. On success the server's weight version becomes the received version; on failure
-        it keeps its old version, its workers report ``incomplete``, and ``PeerFailedError`` names it."""
-        self.request("/pause", {})
+    def receive(
+        self, timeout: float | None = None, *, mode: str = "abort", kv: str = "keep"
+    ) -> list[dict[str, Any]]:
+        """One sync into a paused server, resumed afterwards whether it succeeded or not. ``mode``: vLLM's
+        ``/pause`` mode for requests in flight (``abort``, vLLM's default, which also clears the caches;
+        ``wait``; ``keep``: frozen, they go on with the new weights from their next token). ``kv``, in keep
+        mode: ``keep`` their KV cache or ``recompute`` it with the new weights (``async_driver``). On
+        success the server's weight version becomes the received version (which also makes it forget its
+        prefix cache: ``prefix_cache``); on failure it keeps its old version, its workers report
+        ``incomplete``, ``PeerFailedError`` names it, and in keep mode its frozen requests resume on the old
+        weights where the workers are ``atomic`` and are aborted where they are not."""
+        query = f"?mode={mode}" + ("&clear_cache=false" if mode != "abort" else "")
+        self.request("/pause" + query, {})
         try:
             reports = self.call("receive", timeout=timeout)
+        except BaseException:
+            if mode == "keep" and not all(s.get("atomic") for s in self.status()):
+                self.request("/pause?mode=abort&clear_cache=false", {})  # no version names these weights
+            self.request("/resume", {})
+            raise
+        try:
+            versions = {r["version"] for r in reports}
+            if len(versions) != 1 or any(r["incomplete"] for r in reports):
+                raise PeerFailedError(f"engine {self.name}: workers disagree after a sync: {reports}")
+            if mode == "keep" and kv == "recompute":
+                self.request("/reset_prefix_cache?reset_running_requests=true", {})
+            self.request("/update_weight_version", {"new_version": str(versions.pop())})
         finally:
             self.request("/resume", {})
-        versions = {r["version"] for r in reports}
-        if len(versions) != 1 or any(r["incomplete"] for r in reports):
-            raise PeerFailedError(f"engine {self.name}: workers disagree after a sync: {reports}")
-        self.request("/update_weight_version", {"new_version": str(versions.pop())})
         return list(reports)
 
     def status(self) -> list[dict[str, Any]]:

@@ -107,13 +107,17 @@ def handshake(trainer: Trainer, engines: list[ServerEngine]) -> list[int]:
 
 
 def step_and_receive(
-    trainer: Trainer, engines: list[ServerEngine], on_start: Callable[[], None] | None = None
+    trainer: Trainer,
+    engines: list[ServerEngine],
+    on_start: Callable[[], None] | None = None,
+    mode: str = "abort",
 ) -> tuple[Any, list[Future[list[dict[str, Any]]]]]:
-    """One optimizer step (the hook syncs) while every server receives; returns the trainer's pending
-    result and each server's receive future (not yet waited for)."""
+    """One optimizer step (the hook syncs) while every server receives (``mode``: vLLM's pause mode for
+    requests in flight); returns the trainer's pending result and each server's receive future (not yet
+    waited for)."""
     trainer.step += 1
     pool = ThreadPoolExecutor(len(engines))
-    receives = [pool.submit(e.receive, SYNC_TIMEOUT * 2) for e in engines]
+    receives = [pool.submit(e.receive, SYNC_TIMEOUT * 2, mode=mode) for e in engines]
     pending = trainer.live().submit(train_step, trainer.step)
     if on_start is not None:
         on_start()
@@ -200,6 +204,24 @@ def test_two_served_engines_at_tp_2_synced_in_one_step_equal_a_fresh_server_load
     for e in engines:
         assert e.complete_greedy(DEFAULT_PROMPTS, max_tokens=12) == want_tokens, e.name
         assert digests(e) == want_digests, e.name
+
+
+def test_a_sync_in_keep_mode_freezes_a_request_in_flight_which_then_completes(
+    servers: list[Server], trainer: Trainer
+) -> None:
+    """``receive(mode="keep")`` passes vLLM's keep mode to ``/pause``: a long completion in flight is frozen,
+    not aborted, and returns every token it asked for once the servers resume on the new version."""
+    engines = [s.engine for s in servers]
+    with ThreadPoolExecutor(1) as pool:
+        running = pool.submit(engines[1].complete_greedy, [DEFAULT_PROMPTS[0]], 200)
+        time.sleep(0.5)
+        pending, receives = step_and_receive(trainer, engines, mode="keep")
+        reports = [r.result(SYNC_TIMEOUT * 3) for r in receives]
+        version = pending.result(SYNC_TIMEOUT * 3)[0]["sync"]["version"]
+        (tokens,) = running.result(120)
+    assert not running.exception() and len(tokens) == 200  # frozen, then finished: no token lost
+    assert [[w["version"] for w in r] for r in reports] == [[version] * 2] * 2
+    assert [e.weight_version() for e in engines] == [str(version)] * 2
 
 
 def test_a_stale_answer_from_an_earlier_call_is_refused() -> None:
