@@ -212,14 +212,21 @@ def test_a_sync_in_keep_mode_freezes_a_request_in_flight_which_then_completes(
     """``receive(mode="keep")`` passes vLLM's keep mode to ``/pause``: a long completion in flight is frozen,
     not aborted, and returns every token it asked for once the servers resume on the new version."""
     engines = [s.engine for s in servers]
+
+    def complete() -> tuple[list[int], float]:
+        (tokens,) = engines[1].complete_greedy([DEFAULT_PROMPTS[0]], 240)
+        return tokens, time.monotonic()
+
     with ThreadPoolExecutor(1) as pool:
-        running = pool.submit(engines[1].complete_greedy, [DEFAULT_PROMPTS[0]], 200)
-        time.sleep(0.5)
+        running = pool.submit(complete)
+        time.sleep(0.3)
         pending, receives = step_and_receive(trainer, engines, mode="keep")
         reports = [r.result(SYNC_TIMEOUT * 3) for r in receives]
+        synced_at = time.monotonic()
         version = pending.result(SYNC_TIMEOUT * 3)[0]["sync"]["version"]
-        (tokens,) = running.result(120)
-    assert not running.exception() and len(tokens) == 200  # frozen, then finished: no token lost
+        tokens, finished_at = running.result(120)
+    assert len(tokens) == 240  # frozen, then finished: no token lost
+    assert finished_at > synced_at, "the request was not in flight across the sync"
     assert [[w["version"] for w in r] for r in reports] == [[version] * 2] * 2
     assert [e.weight_version() for e in engines] == [str(version)] * 2
 
