@@ -36,7 +36,7 @@ weights no version names).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Literal, TypeVar
 
 from rollout_sync.errors import PeerFailedError
@@ -99,11 +99,18 @@ async def _call(engine: Any, method: str, k: int) -> list[Any]:
     return await asyncio.to_thread(call, Blocking(engine, loop), method, name=str(k))
 
 
-async def _receive_one(engine: Any, k: int, mode: PauseMode, kv: KvMode) -> list[dict[str, Any]]:
+OnPaused = Callable[[int], Awaitable[None]]
+
+
+async def _receive_one(
+    engine: Any, k: int, mode: PauseMode, kv: KvMode, on_paused: OnPaused | None
+) -> list[dict[str, Any]]:
     """Pause engine ``k``, receive, resume whatever happened; on a failed non-atomic sync, abort what was
     frozen first."""
     await engine.pause_generation(mode=mode, clear_cache=False)
     try:
+        if on_paused is not None:
+            await on_paused(k)
         reports = await _call(engine, "receive", k)
     except BaseException:
         status = await _call(engine, "status", k)
@@ -123,14 +130,20 @@ async def _receive_one(engine: Any, k: int, mode: PauseMode, kv: KvMode) -> list
 
 
 async def receive_sync_async(
-    engines: Sequence[Any], *, mode: PauseMode = "keep", kv: KvMode = "keep"
+    engines: Sequence[Any],
+    *,
+    mode: PauseMode = "keep",
+    kv: KvMode = "keep",
+    on_paused: OnPaused | None = None,
 ) -> list[list[dict[str, Any]]]:
     """Receive one sync on every engine while their requests are paused (``mode``) and resume them (module
     doc); returns each engine's worker reports. Raises if a worker reports another version than the others:
-    no engine claims a version it did not get."""
+    no engine claims a version it did not get. ``on_paused(k)`` is awaited once engine ``k`` has paused,
+    before it receives (to look at the requests where they stopped)."""
     if mode not in ("keep", "wait", "abort") or kv not in ("keep", "recompute"):
         raise ValueError(f"mode must be keep, wait or abort and kv keep or recompute, not {mode!r}, {kv!r}")
-    reports = list(await asyncio.gather(*(_receive_one(e, k, mode, kv) for k, e in enumerate(engines))))
+    receiving = (_receive_one(e, k, mode, kv, on_paused) for k, e in enumerate(engines))
+    reports = list(await asyncio.gather(*receiving))
     versions = {int(r["version"]) for per_engine in reports for r in per_engine}
     if len(versions) != 1:
         raise PeerFailedError(f"workers report different weight versions after a sync: {sorted(versions)}")

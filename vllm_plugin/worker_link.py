@@ -13,6 +13,7 @@ every old weight (nothing is written into the engine's weights before the commit
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
@@ -84,9 +85,11 @@ def connect(
 
 
 def receive(worker: RolloutWorker, link: RolloutLink, *, open_update: bool = True) -> dict[str, Any]:
-    """Receive one sync; returns a JSON-able report (version, seconds, bytes, derived copies rebuilt).
-    With ``open_update=False`` the caller has already opened the update (vLLM's ``start_weight_update``)
-    and will finish it (``finish_weight_update``)."""
+    """Receive one sync; returns a JSON-able report (version, bytes, derived copies rebuilt; ``seconds``: the
+    transfer and commit, ``total_seconds``: the whole call, with what is rebuilt after the commit). With
+    ``open_update=False`` the caller has already opened the update (vLLM's ``start_weight_update``) and
+    will finish it (``finish_weight_update``)."""
+    started = time.perf_counter()
     forms = worker.loaded_forms
     if forms is not None:
         forms.reset_seconds()
@@ -126,6 +129,7 @@ def receive(worker: RolloutWorker, link: RolloutLink, *, open_update: bool = Tru
     return {
         **link.status(),
         "seconds": result.seconds,
+        "total_seconds": time.perf_counter() - started,
         "stats": result.stats.to_dict(),
         "refreshed": report.get("refreshed", []),
         "loaded_forms": None
