@@ -36,7 +36,7 @@ sys.path.insert(
 )  # testbed/ (the tiny model, DeepSpeed on CPU ranks)
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # examples/grpo.py: the policy-gradient step
 
-from grpo import GOOD_TOKENS, engine_env, grpo_step  # noqa: E402
+from grpo import GOOD_TOKENS, engine_env, grpo_step
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -94,6 +94,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         joining = pool.submit(attach, address, token, 1, 1, "balanced", 120.0, None, True, False)
         await connect_engine_async(engine, address, 0, token=token, atomic=True)
         await loop.run_in_executor(None, joining.result, 240)
+        await engine.update_weight_version("0")  # both start from the same checkpoint: version 0
         print("[async-grpo] trainer and engine joined; generation starts", flush=True)
 
         groups: asyncio.Queue[tuple[list[int], list[Any]]] = asyncio.Queue()
@@ -145,10 +146,11 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             mixed = sum(len(o.weight_versions) > 1 for o in outputs) / len(outputs)
             pending = pool.submit(grpo_step, batch)  # the hook syncs after the optimizer step
 
-            async def look(_: int) -> None:
+            paused_at: list[float] = []
+
+            async def look(_: int, paused_at: list[float] = paused_at) -> None:
                 paused_at.append(time.perf_counter())
 
-            paused_at: list[float] = []
             reports = await receive_sync_async([engine], kv=args.kv, on_paused=look)
             stall = time.perf_counter() - paused_at[0]
             results = await loop.run_in_executor(None, pending.result, 300)

@@ -69,6 +69,7 @@ LONG_MODULES = (
     "tests/hosts/test_engines_across_hosts.py",
     "tests/hosts/test_trl_across_hosts.py",
     "tests/vllm/test_inflight.py",
+    "tests/e2e/test_async_grpo.py",
 )
 ENGINE_GROUP = "vllm-engine-pool"
 
