@@ -142,6 +142,7 @@ def inflight(tiny_model: Any, tmp_path_factory: pytest.TempPathFactory) -> Itera
         block_size=32,  # the CPU's 128 would let no test prompt fill a block the prefix cache keeps
         seed=0,
         worker_extension_cls="tests.harness.vllm_ext.TestWorkerExtension",
+        weight_transfer_config={"backend": "rollout_sync"},  # the last test: vLLM's own API
     )
 
     async def start() -> Any:
@@ -268,3 +269,50 @@ def test_a_sync_that_fails_while_requests_are_frozen_resumes_them_on_the_old_wei
     assert list(output.token_ids) == reference and spans(output) == [(version, 0, 48)]
     assert inflight.loop.run(inflight.engine.get_weight_version()) == version
     assert weight_digests(Blocking(inflight.engine, inflight.loop.loop)) == digests
+
+
+def test_vllms_weight_transfer_api_in_keep_mode_freezes_requests_and_versions_them_exactly(inflight: Setup):
+    """The same through vLLM's weight-transfer API, driven as vLLM's RL examples drive it: pause with
+    ``mode="keep"``, ``start_weight_update``, ``update_weights``, ``finish_weight_update(weight_version=...)``,
+    resume. (A new handshake: the failed sync above closed the extension's link.)"""
+    from vllm.distributed.weight_transfer.base import WeightTransferInitRequest, WeightTransferUpdateRequest
+
+    s = inflight
+    s.pool.call(detach)
+    address = f"tcp://127.0.0.1:{free_port()}"
+    pending = s.pool.submit(attach, address, TOKEN, 1, 1, "balanced", TIMEOUT, None, True, False)
+    init = {
+        "first_rank": TRAINERS,
+        "address": address,
+        "engine": 0,
+        "token": TOKEN,
+        "timeout": TIMEOUT,
+        "atomic": True,
+    }
+    s.loop.run(s.engine.init_weight_transfer_engine(WeightTransferInitRequest(init_info=init)))
+    pending.result(120)
+    old = s.loop.run(s.engine.get_weight_version())
+    prompt = list(PROMPTS[3])
+    reference = list(s.loop.run(generate(s.engine, prompt, 48, "api-ref", None)).token_ids)
+    reached = threading.Event()
+    running = s.greedy(prompt, 48, "api-frozen", lambda k: reached.set() if k >= 8 else None)
+    assert reached.wait(120)
+    s.step += 1
+    trained = s.pool.submit(train_step, s.step)
+
+    async def update() -> str:
+        engine = s.engine
+        await engine.pause_generation(mode="keep", clear_cache=False)
+        await engine.start_weight_update()
+        await engine.update_weights(WeightTransferUpdateRequest(update_info={}))
+        result = await asyncio.get_running_loop().run_in_executor(None, trained.result, 120)
+        version = str(result[0]["sync"]["version"])
+        await engine.finish_weight_update(weight_version=version)
+        await engine.resume_generation()
+        return version
+
+    new = s.loop.run(update())
+    output = running.result(120)
+    (first, second) = spans(output)
+    assert first[0] == old and second[0] == new and first[2] == second[1] and second[2] == 48, spans(output)
+    assert 8 <= first[2] < 48 and list(output.token_ids)[: first[2]] == reference[: first[2]]
