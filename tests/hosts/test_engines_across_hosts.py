@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -38,30 +39,24 @@ def _last_json(log: Path) -> dict[str, Any]:
     raise AssertionError(f"no JSON summary in {log}:\n{log.read_text(errors='replace')[-3000:]}")
 
 
-def run_programs(
-    hosts: Hosts, model: Path, tmp: Path, *, zero: int, engines: list[str], next_pid: int | None = None
-) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """The trainer program on host a, rollout program k (engine k, TP 2) on host ``engines[k]``; both
-    programs' summaries (trainer rank 0's steps, each rollout program's rows)."""
-    env = {
-        **os.environ,
-        "ROLLOUT_SYNC_TOKEN": "across-hosts-test",
-        "DS_ACCELERATOR": "cpu",
-        "OMP_NUM_THREADS": "1",
-        "PYTHONPATH": str(ROOT),
-    }
+def start_programs(
+    hosts: Hosts,
+    model: Path,
+    tmp: Path,
+    *,
+    steps: int,
+    timeout: str,
+    zero: int = 3,
+    engines: Sequence[str] = ("b",),
+    rollout_extra: Sequence[str] = (),
+    next_pid: int | None = None,
+) -> tuple[dict[str, subprocess.Popen[bytes]], dict[str, Path]]:
+    """The trainer program (2 ranks) on host a and rollout program k (engine k, vLLM TP 2) on host
+    ``engines[k]``, every one verifying each sync into ``tmp/verify``; the processes and their logs."""
+    env = {**os.environ, "ROLLOUT_SYNC_TOKEN": "across-hosts-test", "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}  # fmt: skip
     address = f"tcp://{hosts.name_of('a')}:{PORT}"
-    common = [
-        "--model",
-        str(model),
-        "--address",
-        address,
-        "--steps",
-        "2",
-        "--verify-dir",
-        str(tmp / "verify"),
-    ]
-    common += ["--timeout", PROGRAM_TIMEOUT_S]
+    common = ["--model", str(model), "--address", address, "--steps", str(steps)]
+    common += ["--verify-dir", str(tmp / "verify"), "--timeout", timeout]
     trainer_cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2"]
     trainer_cmd += ["--master-addr", "127.0.0.1", "--master-port", "29500", str(EXAMPLE / "trainer.py")]
     trainer_cmd += [*common, "--zero", str(zero), "--engines", str(len(engines))]
@@ -72,8 +67,19 @@ def run_programs(
     procs = {"trainer": hosts.run("a", trainer_cmd, env=env, stdout=logs["trainer"].open("wb"), stderr=subprocess.STDOUT, next_pid=next_pid)}  # fmt: skip
     for k, host in enumerate(engines):
         cmd = [sys.executable, str(EXAMPLE / "rollout.py"), *common, "--trainer-ranks", "2", "--tp", "2"]
-        cmd += ["--engine", str(k)]
+        cmd += ["--engine", str(k), *rollout_extra]
         procs[f"engine{k}"] = hosts.run(host, cmd, env=env, stdout=logs[f"engine{k}"].open("wb"), stderr=subprocess.STDOUT, next_pid=next_pid)  # fmt: skip
+    return procs, logs
+
+
+def run_programs(
+    hosts: Hosts, model: Path, tmp: Path, *, zero: int, engines: list[str], next_pid: int | None = None
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """``start_programs`` for two steps, to the end; both programs' summaries (trainer rank 0's steps,
+    each rollout program's rows)."""
+    procs, logs = start_programs(
+        hosts, model, tmp, steps=2, timeout=PROGRAM_TIMEOUT_S, zero=zero, engines=engines, next_pid=next_pid
+    )
     started = time.monotonic()
     try:
         for proc in procs.values():
@@ -143,60 +149,12 @@ def test_a_link_cut_mid_sync_leaves_the_engine_s_old_weights_and_the_programs_sy
     does not claim version 2; once the link is restored both join a new handshake, in the same processes,
     and sync 3 lands and verifies."""
     model = tiny_model("dense")
-    env = {**os.environ, "ROLLOUT_SYNC_TOKEN": "cut-test", "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}  # fmt: skip
     with Hosts(["a", "b"]) as hosts:
         hosts.shape("b", rate_bps=10**6)
-        address = f"tcp://{hosts.name_of('a')}:{PORT}"
-        common = [
-            "--model",
-            str(model),
-            "--address",
-            address,
-            "--steps",
-            "3",
-            "--verify-dir",
-            str(tmp_path / "v"),
-        ]
-        common += ["--timeout", "15"]
-        trainer_cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nnodes",
-            "1",
-            "--nproc-per-node",
-            "2",
-        ]
-        trainer_cmd += [
-            "--master-addr",
-            "127.0.0.1",
-            "--master-port",
-            "29500",
-            str(EXAMPLE / "trainer.py"),
-            *common,
-        ]
-        rollout_cmd = [
-            sys.executable,
-            str(EXAMPLE / "rollout.py"),
-            *common,
-            "--trainer-ranks",
-            "2",
-            "--tp",
-            "2",
-        ]
-        logs = {"trainer": tmp_path / "trainer.log", "rollout": tmp_path / "rollout.log"}
-        procs = {
-            "rollout": hosts.run(
-                "b",
-                [*rollout_cmd, "--atomic"],
-                env=env,
-                stdout=logs["rollout"].open("wb"),
-                stderr=subprocess.STDOUT,
-            ),
-            "trainer": hosts.run(
-                "a", trainer_cmd, env=env, stdout=logs["trainer"].open("wb"), stderr=subprocess.STDOUT
-            ),
-        }
+        procs, logs = start_programs(
+            hosts, model, tmp_path, steps=3, timeout="15", rollout_extra=["--atomic"]
+        )
+        procs["rollout"], logs["rollout"] = procs.pop("engine0"), logs.pop("engine0")
 
         def seen(name: str, text: str) -> bool:
             if any(p.poll() is not None for p in procs.values()):

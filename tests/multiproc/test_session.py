@@ -14,27 +14,9 @@ from rollout_sync.shapes import model_tensors
 from rollout_sync.shapes.sides import trainer_maps, vllm_target_maps
 from testbed.expected_storage import extract, local_part
 from testbed.rank_pool import RankError, RankPool, free_port
+from tests.harness.session_model import CONFIG, TRAINERS, WORKERS, full_tensors
 
-CONFIG = {
-    "model_type": "qwen3",
-    "vocab_size": 1000,
-    "hidden_size": 64,
-    "intermediate_size": 96,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 16,
-    "tie_word_embeddings": False,
-}
-TRAINERS, WORKERS = 2, 2
 TOKEN = "session-test"
-
-
-def full_tensors(seed: int) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return {
-        t.name: torch.randn(t.shape, generator=g).to(torch.bfloat16) for t in model_tensors(CONFIG).tensors
-    }
 
 
 def side_maps():
