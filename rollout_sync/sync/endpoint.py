@@ -97,7 +97,7 @@ class Endpoint:
         options: ExecuteOptions | None = None,
     ) -> Endpoint:
         host, port = split_address(address)
-        bind = route_source(host, port)  # the local address that reaches the coordinator: the group's
+        bind = route_source(host, port)  # the local address that reaches the coordinator: the group binds it
         peer = Peer(address, token=token, timeout=timeout)
         try:
             welcome = peer.hello(
