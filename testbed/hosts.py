@@ -37,7 +37,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -282,11 +281,14 @@ class Hosts:
         self.files.append(path)
         return str(path)
 
-    def exec(self, host: str, argv: Sequence[str], timeout: float = 60) -> str:
-        """Run ``argv`` on ``host`` to completion; its standard output (raises when it fails)."""
+    def exec(
+        self, host: str, argv: Sequence[str], timeout: float = 60, env: dict[str, str] | None = None
+    ) -> str:
+        """Run ``argv`` on ``host`` to completion (``env``: its environment, else this one); its standard
+        output (raises when it fails)."""
         h = self.hosts[host]
         cmd = ["nsenter", "-t", str(h.init_pid), "-n", "-u", "-m", "-p", "--", *argv]
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
         if done.returncode != 0:
             raise RuntimeError(f"{' '.join(argv)} on host {host} failed ({done.returncode}): {done.stderr}")
         return done.stdout

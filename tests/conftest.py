@@ -70,6 +70,7 @@ LONG_MODULES = (
     "tests/hosts/test_trl_across_hosts.py",
     "tests/vllm/test_inflight.py",
     "tests/e2e/test_async_grpo.py",
+    "tests/integrations/test_ray_grpo.py",
 )
 ENGINE_GROUP = "vllm-engine-pool"
 

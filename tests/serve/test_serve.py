@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import pytest
 
@@ -212,21 +213,29 @@ def test_a_sync_in_keep_mode_freezes_a_request_in_flight_which_then_completes(
     """``receive(mode="keep")`` passes vLLM's keep mode to ``/pause``: a long completion in flight is frozen,
     not aborted, and returns every token it asked for once the servers resume on the new version."""
     engines = [s.engine for s in servers]
+    paused_at: list[float] = []
+    request = engines[1].request
+
+    def timed_request(path: str, body: Any = None, timeout: float | None = None) -> Any:
+        answer = request(path, body, timeout)
+        if path.startswith("/pause?mode=keep"):
+            paused_at.append(time.monotonic())  # from here the server's requests are frozen
+        return answer
 
     def complete() -> tuple[list[int], float]:
         (tokens,) = engines[1].complete_greedy([DEFAULT_PROMPTS[0]], 240)
         return tokens, time.monotonic()
 
-    with ThreadPoolExecutor(1) as pool:
+    with ThreadPoolExecutor(1) as pool, mock.patch.object(engines[1], "request", timed_request):
         running = pool.submit(complete)
         time.sleep(0.3)
         pending, receives = step_and_receive(trainer, engines, mode="keep")
         reports = [r.result(SYNC_TIMEOUT * 3) for r in receives]
-        synced_at = time.monotonic()
         version = pending.result(SYNC_TIMEOUT * 3)[0]["sync"]["version"]
         tokens, finished_at = running.result(120)
     assert len(tokens) == 240  # frozen, then finished: no token lost
-    assert finished_at > synced_at, "the request was not in flight across the sync"
+    # Finished after the pause returned: it was frozen across the sync (a request done before would be earlier).
+    assert len(paused_at) == 1 and finished_at > paused_at[0], "the request was not in flight across the sync"
     assert [[w["version"] for w in r] for r in reports] == [[version] * 2] * 2
     assert [e.weight_version() for e in engines] == [str(version)] * 2
 
