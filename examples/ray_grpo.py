@@ -200,6 +200,14 @@ def placed(
     ]
 
 
+def start_engine(model: str, world: int, resource: str | None) -> tuple[Any, Any, str]:
+    """An engine actor in a placement group of its own, started (vLLM up, its target maps set) before any
+    handshake waits for it: its placement group, the actor and its node's address."""
+    group, (actor,) = placed(Engine, 1, 2, resource)
+    engine = actor.remote(model, world)
+    return group, engine, str(ray.get(engine.node.remote(), timeout=600))
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     from testbed.launched import build_checkpoint
@@ -211,6 +219,7 @@ def main(argv: list[str] | None = None) -> int:
         ray.init(address=args.address, namespace=JOB, runtime_env={"env_vars": env}, log_to_driver=False)
     else:
         ray.init(
+            address="local",  # a new instance, even where a cluster runs on this machine
             num_cpus=4,
             namespace=JOB,
             include_dashboard=False,
@@ -225,13 +234,12 @@ def main(argv: list[str] | None = None) -> int:
     trainers = [a.remote(r, world) for r, a in enumerate(ranks)]
     master, port = ray.get([trainers[0].node.remote(), trainers[0].free_port.remote()], timeout=TIMEOUT)
     nodes = ray.get([t.setup.remote(master, port, model, args.lr) for t in trainers], timeout=600)
-    engine_group, (engine_actor,) = placed(Engine, 1, 2, args.engine_resource)
-    engine = engine_actor.remote(model, world)
+    engine_group, engine, engine_node = start_engine(model, world, args.engine_resource)
     round_ = 1
     ray.get([*(t.attach.remote(1, round_) for t in trainers), engine.connect.remote(round_)], timeout=600)
     summary: dict[str, Any] = {
         "trainer_nodes": nodes,
-        "engine_node": ray.get(engine.node.remote()),
+        "engine_node": engine_node,
         "steps": [],
     }
     print(
@@ -266,17 +274,15 @@ def main(argv: list[str] | None = None) -> int:
             print(f"step {step}: the sync failed: {error[:200]}", flush=True)
             if not args.replace_lost_engine:
                 break
+            started = time.monotonic()
             ray.kill(engine)
             ray.util.remove_placement_group(engine_group)  # else Ray re-places a lost node's bundle
-            engine_group, (engine_actor,) = placed(Engine, 1, 2, args.replacement_resource)
-            engine = engine_actor.remote(model, world)
+            engine_group, engine, row["engine_node"] = start_engine(model, world, args.replacement_resource)
             round_ += 1
-            started = time.monotonic()
             ray.get(
                 [*(t.attach.remote(1, round_) for t in trainers), engine.connect.remote(round_)], timeout=600
             )
             row["replaced_in_s"] = round(time.monotonic() - started, 2)
-            row["engine_node"] = ray.get(engine.node.remote())
             continue
         version = results[0]["sync"]["version"]
         row = {

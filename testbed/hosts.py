@@ -37,6 +37,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -115,6 +116,21 @@ class Host:
     port: str  # its switch port (the veth end in the hub namespace)
     holder: subprocess.Popen[bytes] | None = None
     init_pid: int = 0  # pid 1 of the host's PID namespace, as this process sees it
+
+
+def _pid_inside(proc: subprocess.Popen[bytes], timeout: float = 5.0) -> int | None:
+    """The pid, inside its host, of the process ``nsenter`` (``proc``) forked into the host's PID namespace;
+    None when it did not appear (or exited) within ``timeout``."""
+    deadline = time.monotonic() + timeout
+    children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children")
+    while time.monotonic() < deadline and proc.poll() is None:
+        with contextlib.suppress(OSError):
+            child = children.read_text().split()
+            if child:
+                status = Path(f"/proc/{child[0]}/status").read_text()
+                return int(next(line for line in status.splitlines() if line.startswith("NSpid:")).split()[-1])
+        time.sleep(0.001)
+    return None
 
 
 class Hosts:
@@ -255,19 +271,25 @@ class Hosts:
         ``next_pid``: the pid it gets inside the host (the host's next free pid is set first), to make two
         hosts' processes share pids."""
         h = self.hosts[host]
-        if next_pid is not None:
-            self.exec(host, ["sh", "-c", f"echo {next_pid - 1} > /proc/sys/kernel/ns_last_pid"])
         cmd = ["nsenter", "-t", str(h.init_pid), "-n", "-u", "-m", "-p", f"--wd={os.fspath(cwd or os.getcwd())}"]
-        proc = subprocess.Popen(
-            [*cmd, "--", *argv],
-            env=dict(env) if env is not None else None,
-            stdin=subprocess.DEVNULL,
-            stdout=stdout,
-            stderr=stderr,
-            start_new_session=True,
-        )
-        self.processes.append(proc)
-        return proc
+        for _ in range(20):
+            if next_pid is not None:
+                self.exec(host, ["sh", "-c", f"echo {next_pid - 1} > /proc/sys/kernel/ns_last_pid"])
+            proc = subprocess.Popen(
+                [*cmd, "--", *argv],
+                env=dict(env) if env is not None else None,
+                stdin=subprocess.DEVNULL,
+                stdout=stdout,
+                stderr=stderr,
+                start_new_session=True,
+            )
+            self.processes.append(proc)
+            if next_pid is None or _pid_inside(proc) == next_pid:
+                return proc
+            # A thread of another process of the host took that pid first (threads draw from the same
+            # numbers): start it again.
+            self.stop(proc)
+        raise RuntimeError(f"host {host}: could not start {argv[0]} as pid {next_pid} in 20 tries")
 
     def python_launcher(self, host: str, python: str | None = None) -> str:
         """An executable file that runs ``python`` (this interpreter by default) with its arguments on

@@ -55,6 +55,23 @@ class PeerInfo:
         )
 
 
+def _retried_by(earlier: PeerInfo, later: PeerInfo) -> bool:
+    """``later`` is ``earlier``'s own process joining again (a new socket after its wait for a welcome ran
+    out): same place in the roster, same machine and pid. Another process in the same place joined twice."""
+    same_place = (earlier.role, earlier.group, earlier.local_rank) == (
+        later.role,
+        later.group,
+        later.local_rank,
+    )
+    process = [(p.fields.get("machine"), p.fields.get("pid")) for p in (earlier, later)]
+    return (
+        same_place
+        and earlier.identity != later.identity
+        and process[0] == process[1]
+        and None not in process[0]
+    )
+
+
 class Coordinator:
     def __init__(
         self,
@@ -111,6 +128,8 @@ class Coordinator:
         except (KeyError, TypeError, ValueError):
             self._refuse(identity, f"hello lacks role/group/local_rank/local_size: {sorted(f)}")
         info = PeerInfo(identity, role, group, local_rank, local_size, dict(f), message.payload)
+        for earlier in [q for q in self.peers.values() if _retried_by(q, info)]:
+            del self.peers[earlier.identity]  # the same process saying hello again: its first wait ended
         problem = self._unexpected(info)
         if problem:
             self._refuse(identity, f"{info.name}: {problem}")

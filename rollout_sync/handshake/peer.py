@@ -30,6 +30,7 @@ class Peer:
         self._sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 1000)
         self._sock.connect(address)
+        self._answered = False  # the coordinator answered the hello
 
     def hello(
         self,
@@ -55,7 +56,9 @@ class Peer:
         self._sock.send_multipart(encode(Message(ABORT, self._token, {"reason": reason})))
 
     def close(self) -> None:
-        self._sock.close(linger=500)
+        """Close the socket: a ready or failure notice still queued gets 0.5 s to leave; a hello nobody
+        answered is dropped, so that a join tried again cannot meet its own earlier hello."""
+        self._sock.close(linger=500 if self._answered else 0)
 
     def _expect(self, kind: str) -> Message:
         deadline = time.monotonic() + self.timeout
@@ -65,6 +68,7 @@ class Peer:
                 f"no answer from the coordinator at {self.address} within {self.timeout:.0f} s"
             )
         frames = self._sock.recv_multipart()
+        self._answered = True
         try:
             message = decode(frames)
         except WireFormatError as exc:

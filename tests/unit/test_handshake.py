@@ -204,3 +204,71 @@ def test_an_empty_token_is_refused_before_anything_is_sent():
         Coordinator(token="", trainer_world=1, engines=0)
     with pytest.raises(HandshakeError, match="non-empty shared token"):
         Peer("tcp://127.0.0.1:9", token="")
+
+
+def hello_from(address: str, rank: int, pid: int, wait: bool) -> Callable[[], Any]:
+    """Trainer rank ``rank`` of a 2-rank trainer, from process ``pid`` of machine ``m``; ``wait``: wait for
+    the welcome and say ready, else leave the hello behind (a wait that ran out)."""
+
+    def job() -> Any:
+        peer = Peer(address, token=TOKEN, timeout=10 if wait else 0.3)
+        try:
+            fields = {"machine": "m", "pid": pid}
+            welcome = peer.hello(role=TRAINER, group=0, local_rank=rank, local_size=2, fields=fields)
+            peer.ready()
+            return welcome
+        finally:
+            peer.close()
+
+    return job
+
+
+def test_a_process_that_says_hello_again_replaces_its_first_hello_and_another_process_is_refused():
+    coord = Coordinator(token=TOKEN, trainer_world=2, engines=0, timeout=10)
+    try:
+        first_t, first = in_thread(hello_from(coord.address, 0, pid=7, wait=False))
+        first_t.join(10)  # its hello reached the coordinator; its wait for the welcome ran out
+        assert isinstance(first["error"], SyncTimeoutError), first
+        jobs = [in_thread(hello_from(coord.address, r, pid=7 + r, wait=True)) for r in (0, 1)]
+        peers = coord.admit()
+        assert [(p.local_rank, p.fields["pid"]) for p in peers] == [(0, 7), (1, 8)]
+        coord.welcome({p.identity: ({"rank": p.local_rank}, b"") for p in peers})
+        for t, out in jobs:
+            t.join(10)
+            assert "value" in out, out
+    finally:
+        coord.close()
+    coord = Coordinator(token=TOKEN, trainer_world=2, engines=0, timeout=10)
+    try:
+        a_t, _ = in_thread(hello_from(coord.address, 0, pid=7, wait=True))
+        time.sleep(0.3)
+        b_t, b = in_thread(hello_from(coord.address, 0, pid=9, wait=True))
+        with pytest.raises(HandshakeError, match="trainer rank 0: joined twice"):
+            coord.admit()
+    finally:
+        coord.close()
+    a_t.join(10)
+    b_t.join(10)
+    assert isinstance(b["error"], HandshakeError) and "joined twice" in str(b["error"])
+
+
+def test_a_hello_nobody_answered_is_dropped_with_its_socket():
+    """A peer whose coordinator was not there yet times out and closes; a coordinator bound afterwards on that
+    address never receives the old hello, so the peer's next try is its only hello."""
+    with zmq.Context.instance().socket(zmq.ROUTER) as probe:
+        port = probe.bind_to_random_port("tcp://127.0.0.1")
+    early = Peer(f"tcp://127.0.0.1:{port}", token=TOKEN, timeout=0.3)
+    with pytest.raises(SyncTimeoutError):
+        early.hello(role=TRAINER, group=0, local_rank=0, local_size=2)
+    early.close()
+    coord = Coordinator(token=TOKEN, trainer_world=2, engines=0, timeout=10, port=port)
+    time.sleep(0.5)  # longer than zmq's reconnect interval: a socket still lingering would deliver by now
+    try:
+        jobs = [in_thread(peer_job(coord.address, TRAINER, 0, r, 2)) for r in (0, 1)]
+        peers = coord.admit()  # with the old hello delivered, rank 0 would be refused here: joined twice
+        coord.welcome({p.identity: ({}, b"") for p in peers})
+        for t, out in jobs:
+            t.join(10)
+            assert "value" in out, out
+    finally:
+        coord.close()
