@@ -259,6 +259,7 @@ def main(argv: list[str] | None = None) -> int:
             std = (sum((s - mean) ** 2 for s in scores) / len(scores)) ** 0.5
             batch += [(prompt, c, (s - mean) / (std + 1e-4)) for c, s in zip(group, scores, strict=True)]
             rewards += scores
+        print(f"step {step}: training and syncing", flush=True)
         stepping = [t.step.remote(batch) for t in trainers]
         receiving = engine.receive.remote()
         results = ray.get(stepping, timeout=600)
