@@ -145,6 +145,7 @@ def main() -> int:
             if link is None or link.endpoint.closed or version in rejoin:
                 if link is not None:
                     link.endpoint.close()
+                report(joining=version)
                 link = join_worker(args, mine)  # fmt: skip
             before = {n: t.clone() for n, t in storage.items()}
             started = time.monotonic()

@@ -94,7 +94,8 @@ def test_a_shaped_link_runs_at_its_rate_and_counts_what_crossed_into_the_host():
 def test_a_lossy_link_drops_packets_and_tcp_still_delivers_every_byte():
     with Hosts(["a", "b"]) as hosts:
         hosts.shape("b", loss_pct=20)
-        probe = "import socket\ns=socket.socket(socket.AF_INET, socket.SOCK_DGRAM)\nfor _ in range(2000): s.sendto(b'x', (%r, 9))"
+        # paced (0.5 ms apart): a burst would also overflow the receiving CPU's backlog on a busy machine
+        probe = "import socket,time\ns=socket.socket(socket.AF_INET, socket.SOCK_DGRAM)\nfor _ in range(2000): s.sendto(b'x', (%r, 9)); time.sleep(0.0005)"
         before = hosts.bytes_into("b")
         hosts.exec("a", [sys.executable, "-c", probe % hosts.address("b")])
         arrived = (hosts.bytes_into("b") - before) / (2000 * 43)  # one byte of payload: 43-byte frames

@@ -271,7 +271,8 @@ def test_an_engine_host_that_starts_late_is_admitted_at_the_next_handshake(tmp_p
         go(tmp_path, 1)
         until(lambda: all(lines_for(ranks, 1)), 120, "sync 1")
         start(hosts, late, address, timeout=TIMEOUT_S)
-        time.sleep(2)  # the late engine is waiting for a handshake
+        waiting = lambda: all(any("joining" in line for line in r.lines) for r in late)  # noqa: E731
+        until(waiting, 120, "the late engine's workers joining")  # started (slow on a busy machine)
         go(tmp_path, 2)
         finish([*ranks, *late])
     for r in [*ranks[2:], *late]:
