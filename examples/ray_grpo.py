@@ -105,9 +105,10 @@ class Engine:
     """A vLLM engine (TP 2, its workers spawned here) with rollout-sync's worker extension."""
 
     def __init__(self, model: str, first_rank: int) -> None:
-        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0|1")
-        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-        os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
+        from grpo import engine_env
+
+        engine_env(2)  # its workers' CPU threads, and this checkout on their path
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # before vLLM's import reads it
         from vllm import LLM
 
         from vllm_plugin.driver import setup_engines

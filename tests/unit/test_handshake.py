@@ -33,16 +33,25 @@ def in_thread(fn: Callable[[], Any]) -> tuple[threading.Thread, dict[str, Any]]:
 
 
 def peer_job(
-    address: str, role: str, group: int, rank: int, size: int, token: str = TOKEN, ready: bool = True
+    address: str,
+    role: str,
+    group: int,
+    rank: int,
+    size: int,
+    token: str = TOKEN,
+    ready: bool = True,
+    fields: dict[str, Any] | None = None,
+    timeout: float = 10,
 ):
     def job() -> Any:
-        peer = Peer(address, token=token, timeout=10)
+        peer = Peer(address, token=token, timeout=timeout)
         try:
             welcome = peer.hello(
                 role=role,
                 group=group,
                 local_rank=rank,
                 local_size=size,
+                fields=fields,
                 payload=f"maps of {role}{rank}".encode(),
             )
             if ready:
@@ -209,18 +218,8 @@ def test_an_empty_token_is_refused_before_anything_is_sent():
 def hello_from(address: str, rank: int, pid: int, wait: bool) -> Callable[[], Any]:
     """Trainer rank ``rank`` of a 2-rank trainer, from process ``pid`` of machine ``m``; ``wait``: wait for
     the welcome and say ready, else leave the hello behind (a wait that ran out)."""
-
-    def job() -> Any:
-        peer = Peer(address, token=TOKEN, timeout=10 if wait else 0.3)
-        try:
-            fields = {"machine": "m", "pid": pid}
-            welcome = peer.hello(role=TRAINER, group=0, local_rank=rank, local_size=2, fields=fields)
-            peer.ready()
-            return welcome
-        finally:
-            peer.close()
-
-    return job
+    fields = {"machine": "m", "pid": pid}
+    return peer_job(address, TRAINER, 0, rank, 2, fields=fields, timeout=10 if wait else 0.3)
 
 
 def test_a_process_that_says_hello_again_replaces_its_first_hello_and_another_process_is_refused():
