@@ -137,6 +137,11 @@ class BackendDeviceError(RolloutSyncError, ValueError):
     tensors). Refused by the coordinator at the handshake, on every rank, before any byte moves."""
 
 
+class TransportUnavailableError(BackendDeviceError):
+    """The transport asked for cannot run here (the ``nixl`` transport without NIXL installed, an agent that
+    cannot start, no interface for UCX): raised at the handshake, before any byte moves."""
+
+
 class PeerFailedError(RolloutSyncError, RuntimeError):
     """A peer failed, died or refused during a sync."""
 

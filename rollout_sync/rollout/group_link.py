@@ -20,12 +20,19 @@ from ..handshake import ROLLOUT
 from ..layout.maps import TensorMap
 from ..planning.wire import encode_maps
 from ..sync.endpoint import Endpoint, SyncResult, resolve_token
+from ..sync.nixl_endpoint import PullEndpoint, SourceEndpoint
 from ..transport import DEFAULT_STAGING_CAP_BYTES, ExecuteOptions
 from ..transport.targets import TargetStream
 
 
 class RolloutLink:
-    def __init__(self, endpoint: Endpoint, engine: int, local_rank: int, atomic: bool = False) -> None:
+    def __init__(
+        self,
+        endpoint: Endpoint | SourceEndpoint | PullEndpoint,
+        engine: int,
+        local_rank: int,
+        atomic: bool = False,
+    ) -> None:
         self.endpoint = endpoint
         self.atomic = atomic  # the owner keeps every old weight when a sync fails (``UpdateSession``)
         self.engine = engine
@@ -90,12 +97,12 @@ class RolloutLink:
     def delta(self) -> bool:
         """Whether this group's syncs after a committed one send only what changed (the trainer's choice,
         told to every rank at the handshake)."""
-        return self.endpoint.executor.options.delta
+        return self.endpoint.options.delta
 
     def forget_base(self) -> None:
         """The targets were written by something other than a sync, or do not outlive one: the next sync
         is a full one (a delta sync applies only on the values the last sync left)."""
-        self.endpoint.executor.forget_base()
+        self.endpoint.forget_base()
 
     def receive(self, targets: Mapping[str, torch.Tensor], stream: TargetStream | None = None) -> SyncResult:
         """Receive this worker's half into ``targets`` (storage views by logical name; meta tensors for

@@ -66,9 +66,11 @@ def check_backend(backend: str, devices: Mapping[str, object], *, ipc: bool = Fa
     GPU (NCCL cannot put two ranks on one device): their bytes move through CUDA IPC handles and only tables
     and signals cross gloo. A pair that does not map is refused at the first sync
     (``SameHostPairs.refuse_unmapped``), before any byte moves."""
+    if backend == "nixl":  # group-free reads (``sync.nixl_endpoint``): host memory, or GPU memory (untested)
+        return
     want = BACKEND_DEVICES.get(backend)
     if want is None:
-        raise BackendDeviceError(f"backend {backend!r} is not one of {sorted(BACKEND_DEVICES)}")
+        raise BackendDeviceError(f"backend {backend!r} is not one of {sorted([*BACKEND_DEVICES, 'nixl'])}")
     if backend == "gloo" and ipc and devices and all(d == "cuda" for d in devices.values()):
         return
     wrong = {name: d for name, d in devices.items() if d is not None and d != want}
@@ -105,6 +107,35 @@ def check_reachable(roster: Sequence[RosterEntry], peers: Sequence[PeerInfo], ad
                 "namespace and could not connect: name the coordinator by an address every host reaches "
                 "(its hostname or its IP on the shared network), on every rank"
             )
+
+
+def check_group_free(roster: Sequence[RosterEntry], peers: Sequence[PeerInfo], delta: bool) -> dict[str, Any]:
+    """What the workers of a group-free sync (backend ``nixl``) are told of each trainer rank (its agent's
+    metadata, the addresses of its storages and of its state), by global rank; refuses (``HandshakeError``,
+    before any byte moves) what it cannot do yet: delta syncs, two ranks in one process, a trainer rank
+    without a NIXL agent."""
+    if delta:
+        raise HandshakeError("delta syncs over the 'nixl' backend are not supported yet: use backend 'gloo'")
+    places: dict[tuple[str, int], RosterEntry] = {}
+    for e in roster:
+        if e.machine and (e.machine, e.pid) in places:
+            other = places[(e.machine, e.pid)]
+            raise HandshakeError(
+                f"{e.role} and {other.role} run in one process (pid {e.pid} on {e.host}): the 'nixl' backend "
+                "reads across processes only; use backend 'gloo' for a colocated engine"
+            )
+        places[(e.machine, e.pid)] = e
+    out: dict[str, Any] = {}
+    for e, p in zip(roster, peers, strict=True):
+        if p.role != TRAINER:
+            continue
+        info = p.fields.get("nixl")
+        if not isinstance(info, dict) or not info.get("metadata"):
+            raise HandshakeError(
+                f"{e.role} on {e.host} did not start a NIXL agent, and the backend is 'nixl'"
+            )
+        out[str(e.rank)] = info
+    return out
 
 
 def locality(places: Mapping[int, tuple[str, int]]) -> tuple[list[list[int]], list[list[int]]]:
@@ -239,16 +270,21 @@ def coordinate(
             )
             return plan_model(sources, targets, policy=policy_used)
 
+        nixl_sources = check_group_free(roster, peers, delta) if backend == "nixl" else {}
         plan, reused = cache.get_or_build(version, build) if cache is not None else (build(), False)
         world = coord.world_size
         # the store listens on every interface; each peer reaches it as it reached the coordinator
-        store = connect_store(coord.host, 0, world, is_master=True, timeout=timeout)
+        store = (
+            None
+            if backend == "nixl"
+            else connect_store(coord.host, 0, world, is_master=True, timeout=timeout)
+        )
         common = {
             "group_id": secrets.token_hex(8),  # names this group in ranks' in-process mailboxes
             "roster": encode_roster(roster),
             "world_size": world,
             "trainer_ranks": coord.trainer_world,
-            "store_port": int(store.port),
+            "store_port": 0 if store is None else int(store.port),
             "backend": backend,
             "shared_memory": shared_memory,
             "delta": delta,
@@ -258,7 +294,8 @@ def coordinate(
         replies = {}
         for p in peers:
             rank = coord.global_rank(p)
-            replies[p.identity] = ({**common, "rank": rank}, encode_half(plan.half(rank)))
+            more = {"nixl_sources": nixl_sources} if nixl_sources and p.role == ROLLOUT else {}
+            replies[p.identity] = ({**common, **more, "rank": rank}, encode_half(plan.half(rank)))
         coord.welcome(replies)
         return Coordinated(plan, store, world, version, reused)
     except BaseException as exc:

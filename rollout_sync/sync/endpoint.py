@@ -28,6 +28,7 @@ from ..transport.network import route_source, split_address
 from ..transport.shared_memory import SameHost
 from ..transport.targets import TargetStream
 from .commit import commit
+from .nixl_endpoint import NixlSource, PullEndpoint, SourceEndpoint
 from .roster import RosterEntry, blame, decode_roster, in_process_peers, same_host_peers, this_process
 
 TOKEN_ENV = "ROLLOUT_SYNC_TOKEN"
@@ -95,17 +96,22 @@ class Endpoint:
         fields: Mapping[str, Any] | None = None,
         timeout: float = 120.0,
         options: ExecuteOptions | None = None,
-    ) -> Endpoint:
+        nixl_source: NixlSource | None = None,
+    ) -> Endpoint | SourceEndpoint | PullEndpoint:
+        """Join through the handshake at ``address``. ``nixl_source``: a trainer rank's registered storages
+        for a group-free sync (``sync.nixl_endpoint``; the coordinator's backend is then ``nixl``): the
+        welcome then builds no group, and this returns a ``SourceEndpoint`` (a worker: a ``PullEndpoint``)."""
         host, port = split_address(address)
         bind = route_source(host, port)  # the local address that reaches the coordinator: the group binds it
         peer = Peer(address, token=token, timeout=timeout)
+        extra = nixl_source.fields() if nixl_source is not None else {}
         try:
             welcome = peer.hello(
                 role=role,
                 group=group,
                 local_rank=local_rank,
                 local_size=local_size,
-                fields={**this_process(), "bind": bind, **dict(fields or {})},
+                fields={**this_process(), "bind": bind, **dict(fields or {}), **extra},
                 payload=payload,
             )
             f = welcome.fields
@@ -117,6 +123,8 @@ class Endpoint:
                     f"rank {rank}: received the half of rank {half.rank} of plan {half.digest[:12]}, "
                     f"expected rank {rank} of plan {str(f['digest'])[:12]}"
                 )
+            if f["backend"] == "nixl":
+                return cls._join_without_group(peer, f, half, bind, timeout, options, nixl_source)
             try:
                 # the store runs beside the coordinator, on every interface: reached as the coordinator is
                 store = connect_store(host, int(f["store_port"]), world, is_master=False, timeout=timeout)
@@ -144,6 +152,43 @@ class Endpoint:
             roster=decode_roster(f.get("roster")),
             group_id=str(f.get("group_id", "")),
         )
+
+    @staticmethod
+    def _join_without_group(
+        peer: Peer,
+        f: Mapping[str, Any],
+        half: PlanHalf,
+        bind: str,
+        timeout: float,
+        options: ExecuteOptions | None,
+        nixl_source: NixlSource | None,
+    ) -> SourceEndpoint | PullEndpoint:
+        rank = int(f["rank"])
+        common = {
+            "rank": rank,
+            "world_size": int(f["world_size"]),
+            "trainer_ranks": int(f["trainer_ranks"]),
+            "half": half,
+            "options": options or ExecuteOptions(timeout=timeout),
+            "roster": decode_roster(f.get("roster")),
+        }
+        try:
+            side: SourceEndpoint | PullEndpoint
+            if nixl_source is not None:
+                side = SourceEndpoint(nixl_source, group_id=str(f["group_id"]), **common)
+            else:
+                side = PullEndpoint(
+                    group_id=str(f["group_id"]), sources=f["nixl_sources"], bind=bind, **common
+                )
+        except Exception as exc:
+            peer.failed(f"rank {rank} could not start its NIXL agent: {exc}")
+            raise
+        peer.ready()
+        return side
+
+    def forget_base(self) -> None:
+        """Something other than a sync wrote this rank's storages: the next sync is a full one."""
+        self.executor.forget_base()
 
     def close(self) -> None:
         """Leave the sync group: shut this rank's side of the group down and drop it (its connections and

@@ -30,16 +30,21 @@ from ..planning.policy import ReplicaPolicy
 from ..planning.wire import encode_maps
 from ..sync.coordination import Coordinated, coordinate, maps_digest
 from ..sync.endpoint import Endpoint, SyncResult, resolve_token
+from ..sync.nixl_endpoint import NixlSource, PullEndpoint, SourceEndpoint
 from ..sync.roster import device_kind
 from ..transport import DEFAULT_STAGING_CAP_BYTES, ExecuteOptions
-from ..transport.network import split_address
+from ..transport.network import route_source, split_address
 from .fresh_views import FreshViews
 from .step_hook import StepHook
 
 
 class TrainerSync:
     def __init__(
-        self, engine: Any, endpoint: Endpoint, sources: dict[str, Any], coordinated: Coordinated | None
+        self,
+        engine: Any,
+        endpoint: Endpoint | SourceEndpoint | PullEndpoint,
+        sources: dict[str, Any],
+        coordinated: Coordinated | None,
     ):
         self.engine = engine
         self.endpoint = endpoint
@@ -162,6 +167,9 @@ class TrainerSync:
             thread = threading.Thread(target=serve, name="rollout-sync-coordinator", daemon=True)
             thread.start()
         options = ExecuteOptions(staging_cap_bytes=staging_cap_bytes, timeout=timeout)
+        nixl_source = None
+        if backend == "nixl":  # group-free: workers read this rank's registered storages (sync.nixl_endpoint)
+            nixl_source = NixlSource(sources, route_source(host, port))
         try:
             endpoint = Endpoint.join(
                 address,
@@ -174,8 +182,11 @@ class TrainerSync:
                 fields={"maps_digest": maps_digest(payload), "device": device_kind(sources.values())},
                 timeout=timeout,
                 options=options,
+                nixl_source=nixl_source,
             )
         except (HandshakeError, SyncTimeoutError) as exc:
+            if nixl_source is not None:
+                nixl_source.close()
             if thread is not None:
                 thread.join(timeout)
                 if "error" in coordinated:

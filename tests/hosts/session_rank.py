@@ -83,6 +83,7 @@ def main() -> int:
     ap.add_argument("--rejoin", default="", help="worker: syncs before which to join a new handshake")
     ap.add_argument("--control", default=None, help="wait for CONTROL/go-V before sync V")
     ap.add_argument("--timeout", type=float, default=60)
+    ap.add_argument("--backend", default="gloo", help="trainer: the sync's backend (gloo, or nixl: group-free)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     model = model_tensors(CONFIG)
@@ -113,7 +114,7 @@ def main() -> int:
                     side.detach()
                 side = TrainerSync.connect(
                     sources, views, rank=args.rank, world_size=TRAINERS, address=args.address, engines=engines,
-                    token=TOKEN, timeout=args.timeout,
+                    token=TOKEN, timeout=args.timeout, backend=args.backend,
                 )  # fmt: skip
                 joined = engines
             full = full_tensors(version)
