@@ -350,17 +350,20 @@ class Hosts:
         return h.hostname
 
     # -- the links -----------------------------------------------------------------------------------------
-    def shape(self, host: str, *, rate_bps: int | None = None, loss_pct: float = 0.0) -> None:
+    def shape(
+        self, host: str, *, rate_bps: int | None = None, loss_pct: float = 0.0, burst_bytes: int | None = None
+    ) -> None:
         """Shape ``host``'s link in both directions: a rate in bits/s (``tbf``) and random loss of
         ``loss_pct`` percent of packets (a classic BPF filter that draws a random number per packet and
         redirects the unlucky ones to a device that is down, which drops them: kernels without ``netem``,
-        as on these machines, have these). No arguments: unshaped."""
+        as on these machines, have these). ``burst_bytes``: what passes at once at the start (default: 256
+        KiB or 4 ms of the rate; at least one GSO packet, 64 KiB and headers). No arguments: unshaped."""
         h = self.hosts[host]
         for ns, dev in ((h.namespace, "eth0"), (self.hub, h.port)):
             _sh("tc", "-n", ns, "qdisc", "del", "dev", dev, "root", check=False)
             _sh("tc", "-n", ns, "qdisc", "del", "dev", dev, "clsact", check=False)
             if rate_bps:
-                burst = max(256 * 1024, int(rate_bps) // 8 // 250)  # a GSO packet; a 4 ms tick's bytes
+                burst = burst_bytes or max(256 * 1024, int(rate_bps) // 8 // 250)  # a GSO packet; 4 ms
                 _sh("tc", "-n", ns, "qdisc", "replace", "dev", dev, "root", "tbf", "rate", f"{int(rate_bps)}bit", "burst", str(burst), "latency", "100ms")  # fmt: skip
             if loss_pct:
                 if _sh("ip", "-n", ns, "link", "show", "dev", _DROP, check=False).returncode != 0:

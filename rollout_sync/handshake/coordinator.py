@@ -219,6 +219,31 @@ class Coordinator:
     def close(self) -> None:
         self._sock.close(linger=200)
 
+    # -- after the handshake: an admission desk (``sync.admission``) keeps the socket ------------------------
+    def next_message(self, wait_s: float) -> tuple[bytes, Message] | None:
+        """The next valid message within ``wait_s`` seconds, or None. One with a bad token or another
+        message version is answered REFUSED and skipped: nobody else is told."""
+        if not self._sock.poll(max(int(wait_s * 1000), 0)):
+            return None
+        identity, *frames = self._sock.recv_multipart()
+        try:
+            message = decode(frames)
+        except WireFormatError as exc:
+            self.refuse_one(identity, str(exc))
+            return None
+        if not hmac.compare_digest(message.token.encode(), self._token.encode()):
+            self.refuse_one(identity, "wrong token: the peer's token does not match the coordinator's")
+            return None
+        return identity, message
+
+    def refuse_one(self, identity: bytes, reason: str) -> None:
+        """Reply REFUSED to one peer (best effort)."""
+        with contextlib.suppress(zmq.ZMQError):
+            self._send(identity, Message(REFUSED, "", {"reason": reason}), block=False)
+
+    def welcome_one(self, identity: bytes, fields: Mapping[str, Any], payload: bytes) -> None:
+        self._send(identity, Message(WELCOME, self._token, dict(fields), payload), block=False)
+
     # -- plumbing -------------------------------------------------------------------------------------------
     def _receive(self, deadline: float, waiting_for: Any) -> tuple[bytes, Message]:
         """Next valid message; refuses (and raises on) a bad token or another version."""

@@ -18,7 +18,7 @@ import json
 import secrets
 from collections import OrderedDict, defaultdict
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import BackendDeviceError, HandshakeError, PlanMismatchError
@@ -138,6 +138,49 @@ def check_group_free(roster: Sequence[RosterEntry], peers: Sequence[PeerInfo], d
     return out
 
 
+def entry_of(p: PeerInfo, rank: int) -> RosterEntry:
+    """A peer's roster entry, from its hello."""
+    return RosterEntry(
+        rank,
+        None if p.role == TRAINER else p.group,
+        p.local_rank,
+        str(p.fields.get("host", "")),
+        int(p.fields.get("pid", 0) or 0),
+        str(p.fields.get("machine", "")),
+        str(p.fields.get("bind", "")),
+    )
+
+
+def plan_engines(
+    trainer_maps: bytes,
+    workers: Sequence[tuple[PeerInfo, int]],
+    roster: Sequence[RosterEntry],
+    policy: ReplicaPolicy,
+) -> Plan:
+    """The plan from the trainer's maps (trainer rank 0's hello payload) to the workers' storages (each
+    worker's hello and its global rank); every engine in ``roster`` must hold every element of every tensor
+    it takes."""
+    sources = decode_maps(trainer_maps)
+    parts: dict[str, list[TensorMap]] = defaultdict(list)
+    for p, rank in workers:
+        described = int(p.fields.get("map_rank", p.local_rank))
+        for m in decode_maps(p.payload):
+            if set(m.ranks) != {described}:
+                raise PlanMismatchError(
+                    f"{p.name} describes ranks {sorted(m.ranks)} of tensor {m.name!r}; a worker "
+                    f"describes its own storage only (rank {described})"
+                )
+            parts[m.name].append(alone(m, described, rank))
+    targets = [merge(ms) for _, ms in sorted(parts.items())]
+    engines: dict[int, list[int]] = defaultdict(list)
+    for e in roster:
+        if e.engine is not None:
+            engines[e.engine].append(e.rank)
+    # every engine holds every element of every tensor it takes, exactly once: nothing stays stale
+    check_engine_coverage({m.name: m for m in targets}, [sorted(r) for _, r in sorted(engines.items())])
+    return plan_model(sources, targets, policy=policy)
+
+
 def locality(places: Mapping[int, tuple[str, int]]) -> tuple[list[list[int]], list[list[int]]]:
     """The ranks that share a process, and those that share a host (groups of two or more, sorted): what
     the plan depends on, not the pids themselves."""
@@ -185,6 +228,9 @@ class Coordinated:
     world_size: int
     layout_version: str | None = None
     reused_plan: bool = False
+    trainer_maps: bytes = b""  # trainer rank 0's maps (what an admission desk plans new engines from)
+    roster: tuple[RosterEntry, ...] = ()
+    welcome: dict[str, Any] = field(default_factory=dict)  # the fields every welcome had (rank aside)
 
 
 def coordinate(
@@ -212,18 +258,7 @@ def coordinate(
                     f"trainer rank {p.local_rank} describes its storage differently from trainer rank 0 "
                     f"(maps digest {str(p.fields.get('maps_digest'))[:12]}, rank 0 has {expected[:12]})"
                 )
-        roster = [
-            RosterEntry(
-                coord.global_rank(p),
-                None if p.role == TRAINER else p.group,
-                p.local_rank,
-                str(p.fields.get("host", "")),
-                int(p.fields.get("pid", 0) or 0),
-                str(p.fields.get("machine", "")),
-                str(p.fields.get("bind", "")),
-            )
-            for p in peers
-        ]
+        roster = [entry_of(p, coord.global_rank(p)) for p in peers]
         check_reachable(roster, peers, coord.address)
         one_host = len({e.machine for e in roster}) == 1 and all(e.machine for e in roster)
         check_backend(
@@ -248,27 +283,9 @@ def coordinate(
         )
 
         def build() -> Plan:
-            sources = decode_maps(first.payload)
-            parts: dict[str, list[TensorMap]] = defaultdict(list)
-            for p in rollout:
-                described, rank = int(p.fields.get("map_rank", p.local_rank)), coord.global_rank(p)
-                for m in decode_maps(p.payload):
-                    if set(m.ranks) != {described}:
-                        raise PlanMismatchError(
-                            f"{p.name} describes ranks {sorted(m.ranks)} of tensor {m.name!r}; a worker "
-                            f"describes its own storage only (rank {described})"
-                        )
-                    parts[m.name].append(alone(m, described, rank))
-            targets = [merge(ms) for _, ms in sorted(parts.items())]
-            engines: dict[int, list[int]] = defaultdict(list)
-            for e in roster:
-                if e.engine is not None:
-                    engines[e.engine].append(e.rank)
-            # every engine holds every element of every tensor it takes, exactly once: nothing stays stale
-            check_engine_coverage(
-                {m.name: m for m in targets}, [sorted(r) for _, r in sorted(engines.items())]
+            return plan_engines(
+                first.payload, [(p, coord.global_rank(p)) for p in rollout], roster, policy_used
             )
-            return plan_model(sources, targets, policy=policy_used)
 
         nixl_sources = check_group_free(roster, peers, delta) if backend == "nixl" else {}
         plan, reused = cache.get_or_build(version, build) if cache is not None else (build(), False)
@@ -297,7 +314,16 @@ def coordinate(
             more = {"nixl_sources": nixl_sources} if nixl_sources and p.role == ROLLOUT else {}
             replies[p.identity] = ({**common, **more, "rank": rank}, encode_half(plan.half(rank)))
         coord.welcome(replies)
-        return Coordinated(plan, store, world, version, reused)
+        return Coordinated(
+            plan,
+            store,
+            world,
+            version,
+            reused,
+            first.payload,
+            tuple(roster),
+            {**common, **({"nixl_sources": nixl_sources} if nixl_sources else {})},
+        )
     except BaseException as exc:
         coord.abort(f"{type(exc).__name__}: {exc}")
         raise

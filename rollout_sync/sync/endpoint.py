@@ -51,6 +51,9 @@ class SyncResult:
     version: int
     stats: SyncStats
     seconds: float
+    dropped: tuple[str, ...] = ()
+    """A trainer rank of a group-free sync (``nixl``): the workers it dropped in this sync, each named with why
+    (the sync completed for the others)."""
 
 
 class Endpoint:

@@ -25,9 +25,11 @@ rank waits for the timeout. The worker claims the version only once all of its r
 from __future__ import annotations
 
 import contextlib
+import json
+import logging
 import secrets
 import time
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,6 +48,8 @@ from ..transport.targets import TargetStream
 from .roster import RosterEntry
 
 __all__ = ["NixlSource", "PullEndpoint", "SourceEndpoint", "worker_agent"]
+
+log = logging.getLogger(__name__)
 
 IDLE, READY, REFUSED, CLOSED = 0, 1, 2, 3
 HEADER = 3  # int64: sequence number (written last), version, phase
@@ -137,7 +141,9 @@ class _Endpoint:
 
     def _who(self, rank: int) -> str:
         e = self.roster.get(rank)
-        return f"rank {rank}" if e is None else f"{e.role} (rank {rank}) on {e.host}"
+        if e is None:
+            return f"rank {rank}"
+        return f"{e.role} (rank {rank}) on {e.host}" + (f" ({e.address})" if e.address else "")
 
     def _check(
         self,
@@ -160,14 +166,67 @@ class _Endpoint:
         return reason
 
 
+@dataclass(frozen=True)
+class Reader:
+    """A worker that reads from this trainer rank: its global rank, engine and place, and its bytes per sync."""
+
+    rank: int
+    engine: int
+    local_rank: int
+    label: str
+    nbytes: int
+
+
 class SourceEndpoint(_Endpoint):
-    """A trainer rank in a group-free sync."""
+    """A trainer rank in a group-free sync. Its readers: the workers of the first handshake, then every
+    worker that joined since (``join`` notes, taken at sync boundaries; one of an engine index and worker rank
+    already there replaces it: a restarted engine). A reader that fails a sync, refuses it or says nothing
+    within the timeout is dropped (named in ``SyncResult.dropped``) and the sync completes for the others; it
+    comes back by joining again. Only when every reader failed does the sync raise."""
 
     def __init__(self, source: NixlSource, *, group_id: str, **kw: Any) -> None:
         super().__init__(**kw)
         self.source = source
-        self.readers = sorted({s.target_rank for s in self.half.sends})
-        self.names = {worker_agent(group_id, r): r for r in self.readers}
+        sent: dict[int, int] = {}
+        for s in self.half.sends:
+            t = self.half.tensors[s.tensor]
+            sent[s.target_rank] = sent.get(s.target_rank, 0) + _numel(s.extent) * itemsize(t.source_dtype)
+        self.readers: dict[str, Reader] = {}
+        for rank, nbytes in sorted(sent.items()):
+            e = self.roster.get(rank)
+            self.readers[worker_agent(group_id, rank)] = Reader(
+                rank, -1 if e is None or e.engine is None else e.engine, 0 if e is None else e.local_rank,
+                self._who(rank), nbytes,
+            )  # fmt: skip
+        self.dropped_total: list[str] = []
+
+    def _join(self, agent: str, note: str) -> None:
+        try:
+            f = json.loads(note)
+            reader = Reader(
+                int(f["rank"]), int(f["engine"]), int(f["local_rank"]), str(f["label"]), int(f["nbytes"])
+            )
+        except (ValueError, KeyError, TypeError):
+            log.warning("rollout-sync: rank %d ignored a malformed join from %s: %r", self.rank, agent, note)
+            return
+        for name, r in list(self.readers.items()):
+            if (r.engine, r.local_rank) == (reader.engine, reader.local_rank) and name != agent:
+                del self.readers[name]  # a restarted engine's worker replaces the old one
+        self.readers[agent] = reader
+
+    def _notes(self) -> list[tuple[str, str, int, str]]:
+        """New notes as (agent, kind, sequence number, text); joins are applied at once."""
+        out = []
+        for agent, notes in self.source.agent.notes().items():
+            for raw in notes:
+                kind, _, rest = raw.decode(errors="replace").partition(" ")
+                if kind == "join":
+                    self._join(agent, rest)
+                    continue
+                seq, _, text = rest.partition(" ")
+                if seq.isdigit():
+                    out.append((agent, kind, int(seq), text))
+        return out
 
     def run(
         self,
@@ -197,43 +256,50 @@ class SourceEndpoint(_Endpoint):
         if reason is not None:
             state.write(self.seq, version, REFUSED, reason)
             raise PlanMismatchError(f"rank {self.rank} refused the sync: {reason}")
+        self._notes()  # the sync boundary: workers that joined since the last sync are readers of this one
+        readers = dict(self.readers)
         state.write(self.seq, version, READY)
-        waiting = dict(self.names)
-        failures: list[str] = []
+        waiting = set(readers)
+        dropped: dict[str, str] = {}
         deadline = time.monotonic() + self.options.timeout
         try:
             while waiting:
-                for agent, notes in self.source.agent.notes().items():
-                    rank = waiting.get(agent)
-                    for note in notes:
-                        kind, _, rest = note.decode(errors="replace").partition(" ")
-                        seq, _, why = rest.partition(" ")
-                        if rank is None or not seq.isdigit() or int(seq) != self.seq:
-                            continue  # a late note of an earlier sync
-                        if kind == "fail":
-                            failures.append(f"{self._who(rank)}: {why}")
-                        waiting.pop(agent, None)
+                for agent, kind, seq, text in self._notes():
+                    if agent not in waiting or seq != self.seq:
+                        continue  # a late note of an earlier sync, or a worker that joined during this one
+                    waiting.discard(agent)
+                    if kind == "fail":
+                        dropped[agent] = f"{readers[agent].label} failed: {text}"
+                    elif kind == "refuse":
+                        dropped[agent] = f"{readers[agent].label} refused the sync: {text}"
                 if waiting and time.monotonic() > deadline:
-                    missing = ", ".join(self._who(r) for r in sorted(waiting.values()))
-                    raise SyncTimeoutError(
-                        f"rank {self.rank}: sync {version} (sequence {self.seq}): no word from {missing} within "
-                        f"{self.options.timeout:g} s (dead, cut off or not receiving)"
-                    )
+                    for agent in waiting:
+                        dropped[agent] = (
+                            f"{readers[agent].label}: no word within {self.options.timeout:g} s "
+                            "(dead, cut off or not receiving)"
+                        )
+                    waiting.clear()
                 if waiting:
                     time.sleep(POLL_S)
         finally:
-            state.write(
-                self.seq, version, CLOSED
-            )  # a late reader fails instead of reading a stepping storage
-        if failures:
-            raise PeerFailedError(f"rank {self.rank}: sync {version} failed on " + "; ".join(failures))
-        sent: dict[int, int] = {}
-        for s in self.half.sends:
-            t = self.half.tensors[s.tensor]
-            n = 1
-            for e in s.extent:
-                n *= e
-            sent[s.target_rank] = sent.get(s.target_rank, 0) + n * itemsize(t.source_dtype)
+            # a late reader fails instead of reading a storage the next optimizer step writes
+            state.write(self.seq, version, CLOSED)
+        lost = {readers[a].engine: readers[a] for a in sorted(dropped, key=lambda a: readers[a].rank)}
+        for agent, r in readers.items():  # an engine is whole or out: it joins again as a whole
+            if agent not in dropped and r.engine in lost and r.engine >= 0:
+                dropped[agent] = f"{r.label}: its engine lost {lost[r.engine].label}"
+        for agent in dropped:
+            if self.readers.get(agent) == readers[agent]:
+                del self.readers[agent]
+        names = tuple(dropped[a] for a in sorted(dropped, key=lambda a: readers[a].rank))
+        if names:
+            self.dropped_total.extend(names)
+            log.warning("rollout-sync: rank %d sync %d dropped %s", self.rank, version, "; ".join(names))
+            if len(dropped) == len(readers):
+                raise PeerFailedError(
+                    f"rank {self.rank}: sync {version} reached no worker: " + "; ".join(names)
+                )
+        sent = {r.rank: r.nbytes for a, r in readers.items() if a not in dropped}
         stats = SyncStats(
             self.rank,
             sent,
@@ -246,12 +312,19 @@ class SourceEndpoint(_Endpoint):
             self.options.staging_cap_bytes,
             seconds={"total": time.perf_counter() - start},
         )
-        return SyncResult(version, stats, time.perf_counter() - start)
+        return SyncResult(version, stats, time.perf_counter() - start, names)
 
     def close(self) -> None:
         if not self.closed:
             self.closed = True
             self.source.close()
+
+
+def _numel(extent: Sequence[int]) -> int:
+    n = 1
+    for e in extent:
+        n *= e
+    return n
 
 
 class PullEndpoint(_Endpoint):
@@ -263,10 +336,10 @@ class PullEndpoint(_Endpoint):
         super().__init__(**kw)
         ucx_environment(bind)
         self.agent = NixlAgent(worker_agent(group_id, self.rank))
-        self.state_buffer = torch.zeros(STATE_BYTES, dtype=torch.uint8)
+        needed = {s.source_rank for s in self.half.receives}
+        self.state_buffer = torch.zeros(STATE_BYTES * max(len(needed), 1), dtype=torch.uint8)
         self.staging = torch.empty(0, dtype=torch.uint8)
         self.agent.register([self.state_buffer])
-        needed = {s.source_rank for s in self.half.receives}
         self.peers: dict[int, str] = {}
         self.bases: dict[int, dict[str, int]] = {}
         self.states: dict[int, int] = {}
@@ -277,13 +350,27 @@ class PullEndpoint(_Endpoint):
                 raise PeerFailedError(
                     f"rank {self.rank}: the welcome names no NIXL agent for trainer rank {rank}"
                 )
-            self.peers[rank] = self.agent.add_peer(bytes.fromhex(str(info["metadata"])))
+            self.peers[rank] = self.agent.add_peer(bytes.fromhex(str(info["metadata"])), self._who(rank))
             self.bases[rank] = {str(k): int(v) for k, v in dict(info["bases"]).items()}
             self.states[rank] = int(info["state"])
             self.last_seq[rank] = 0
         for peer in self.peers.values():  # connected ahead; else at the first read
             with contextlib.suppress(Exception):
                 self.agent.connect(peer)
+        me = self.roster.get(self.rank)
+        reads: dict[int, int] = {}
+        for s in self.half.receives:
+            t = self.half.tensors[s.tensor]
+            reads[s.source_rank] = reads.get(s.source_rank, 0) + _numel(s.extent) * itemsize(t.source_dtype)
+        for rank, peer in self.peers.items():  # each trainer rank counts this worker from its next sync on
+            join = {
+                "rank": self.rank,
+                "engine": -1 if me is None or me.engine is None else me.engine,
+                "local_rank": 0 if me is None else me.local_rank,
+                "label": self._who(self.rank),
+                "nbytes": reads.get(rank, 0),
+            }
+            self.agent.notify(peer, b"join " + json.dumps(join).encode())
         self._plan: tuple[Any, ReadPlan] | None = None
 
     def _read_plan(self, in_place: frozenset[str]) -> ReadPlan:
@@ -292,18 +379,40 @@ class PullEndpoint(_Endpoint):
             self._plan = (key, read_plan(self.half, in_place, self.options.staging_cap_bytes))
         return self._plan[1]
 
+    def _states(self, ranks: Collection[int], deadline: float) -> dict[int, tuple[int, int, int, str]]:
+        """The states of source ranks ``ranks`` now: (sequence number, version, phase, reason) each, read in
+        parallel."""
+        order = sorted(ranks)
+        base = self.state_buffer.data_ptr()
+        readings = [
+            self.agent.read(
+                self.peers[rank],
+                [(base + i * STATE_BYTES, STATE_BYTES, 0)],
+                [(self.states[rank], STATE_BYTES, 0)],
+            )
+            for i, rank in enumerate(order)
+        ]
+        self.agent.wait(readings, deadline, f"rank {self.rank}: reading the trainer ranks' sync state")
+        return {
+            rank: _read_state(self.state_buffer[i * STATE_BYTES : (i + 1) * STATE_BYTES])
+            for i, rank in enumerate(order)
+        }
+
     def _wait_ready(self, deadline: float) -> tuple[int, dict[int, int]]:
         """Each source's state until every one is READY for a new sync; (version, seq per source)."""
-        pending = dict(self.peers)
+        pending = set(self.peers)
         seen: dict[int, tuple[int, int]] = {}
         while True:
-            for rank in list(pending):
-                buf = self.state_buffer
-                r = self.agent.read(
-                    pending[rank], [(buf.data_ptr(), STATE_BYTES, 0)], [(self.states[rank], STATE_BYTES, 0)]
-                )
-                self.agent.wait([r], deadline, f"rank {self.rank}: reading the state of {self._who(rank)}")
-                seq, version, phase, reason = _read_state(buf)
+            try:
+                states = self._states(pending, deadline)
+            except SyncTimeoutError as exc:
+                if time.monotonic() < deadline:
+                    raise
+                states = {}  # the deadline passed while a read was out: said below, as any late start
+                late: Exception | None = exc
+            else:
+                late = None
+            for rank, (seq, version, phase, reason) in states.items():
                 if seq <= self.last_seq[rank]:
                     continue
                 if phase == REFUSED:
@@ -314,7 +423,7 @@ class PullEndpoint(_Endpoint):
                     )
                 if phase == READY:
                     seen[rank] = (seq, version)
-                    del pending[rank]
+                    pending.discard(rank)
             if not pending:
                 break
             if time.monotonic() > deadline:
@@ -322,7 +431,7 @@ class PullEndpoint(_Endpoint):
                 missing = ", ".join(self._who(r) for r in sorted(pending))
                 raise SyncTimeoutError(
                     f"rank {self.rank}: {missing} did not start a sync within {self.options.timeout:g} s"
-                )
+                ) from late
             time.sleep(POLL_S)
         versions = {v for _, v in seen.values()}
         if len(versions) > 1:
@@ -331,6 +440,17 @@ class PullEndpoint(_Endpoint):
                 f"rank {self.rank}: the trainer ranks offered different versions {sorted(versions)}"
             )
         return versions.pop(), {r: s for r, (s, _) in seen.items()}
+
+    def _still_ready(self, seqs: Mapping[int, int], version: int, deadline: float) -> None:
+        """Every source still offers the sync this worker read (a seqlock's second look): a trainer rank that
+        gave up waiting (its timeout) may have let the optimizer step while the reads were in flight, so
+        what they read may be torn; then this worker fails and claims nothing."""
+        for rank, (seq, _, phase, _) in self._states(seqs, deadline).items():
+            if seq != seqs[rank] or phase != READY:
+                raise PeerFailedError(
+                    f"rank {self.rank}: {self._who(rank)} ended sync {version} before this worker's reads were "
+                    "done (it timed out or failed): what was read may mix two versions"
+                )
 
     def _tell(self, seen: Mapping[int, Any], kind: bytes, why: str) -> None:
         for rank, entry in seen.items():
@@ -350,14 +470,25 @@ class PullEndpoint(_Endpoint):
 
         start = time.perf_counter()
         reason = refusal or self._check(sources, targets, stream)
-        if reason is not None:
-            raise PlanMismatchError(reason)  # nothing was read; the trainer ranks time out on this worker
         deadline = time.monotonic() + self.options.timeout
-        got, seqs = self._wait_ready(deadline)
+        try:
+            got, seqs = self._wait_ready(deadline)
+        except PlanMismatchError:
+            raise
+        except (RolloutSyncError, RuntimeError):
+            self.close()
+            raise
+        if reason is not None:  # nothing is read; the trainer ranks learn why at once
+            self._tell(seqs, b"refuse", reason)
+            for rank, seq in seqs.items():
+                self.last_seq[rank] = seq
+            raise PlanMismatchError(reason)
         try:
             received = self._read(targets, stream, deadline)
+            self._still_ready(seqs, got, deadline)
         except (RolloutSyncError, RuntimeError) as exc:
             self._tell(seqs, b"fail", f"{type(exc).__name__}: {exc}")
+            self.close()
             raise
         for rank, seq in seqs.items():
             self.last_seq[rank] = seq

@@ -28,6 +28,7 @@ from ..handshake import TRAINER, Coordinator
 from ..layout.maps import TensorMap
 from ..planning.policy import ReplicaPolicy
 from ..planning.wire import encode_maps
+from ..sync.admission import AdmissionDesk
 from ..sync.coordination import Coordinated, coordinate, maps_digest
 from ..sync.endpoint import Endpoint, SyncResult, resolve_token
 from ..sync.nixl_endpoint import NixlSource, PullEndpoint, SourceEndpoint
@@ -52,6 +53,7 @@ class TrainerSync:
         self.coordinated = coordinated
         self.views = FreshViews(sources, None, "", None, endpoint.rank)
         self.hook: StepHook | None = None
+        self.desk: AdmissionDesk | None = None  # trainer rank 0 of a group-free sync: admits engines any time
         self.last: SyncResult | None = None
         self.history: list[SyncResult] = []
 
@@ -162,7 +164,8 @@ class TrainerSync:
                 except BaseException as exc:
                     coordinated["error"] = exc
                 finally:
-                    coord.close()
+                    if backend != "nixl" or "error" in coordinated:
+                        coord.close()  # group-free: it stays open as the admission desk
 
             thread = threading.Thread(target=serve, name="rollout-sync-coordinator", daemon=True)
             thread.start()
@@ -192,11 +195,16 @@ class TrainerSync:
                 if "error" in coordinated:
                     raise coordinated["error"] from exc
             raise
+        desk = None
         if thread is not None:
             thread.join(timeout)
             if "error" in coordinated:
                 raise coordinated["error"]
-        return cls(engine, endpoint, sources, coordinated.get("value"))
+            if backend == "nixl":  # engines that start later, or restart, join here at any time
+                desk = AdmissionDesk(coord, coordinated["value"], policy=policy, timeout=timeout)
+        self = cls(engine, endpoint, sources, coordinated.get("value"))
+        self.desk = desk
+        return self
 
     def _after_step(self, version: int) -> None:
         self.sync(version)
@@ -233,5 +241,8 @@ class TrainerSync:
             self.hook.detach()
             self.hook = None
         self.endpoint.close()
+        if self.desk is not None:
+            self.desk.close()
+            self.desk = None
         if self.coordinated is not None:
             self.coordinated.store = None

@@ -132,10 +132,11 @@ class NixlAgent:
     def metadata(self) -> bytes:
         return bytes(self.agent.get_agent_metadata())
 
-    def add_peer(self, metadata: bytes) -> str:
+    def add_peer(self, metadata: bytes, label: str | None = None) -> str:
+        """Add a peer's agent from its metadata; ``label``: how errors name it (a rank and its host)."""
         name = self.agent.add_remote_agent(metadata)
         name = name.decode() if isinstance(name, bytes) else str(name)
-        self.peers[name] = name
+        self.peers[name] = label or name
         return name
 
     def connect(self, peer: str) -> None:
@@ -164,13 +165,13 @@ class NixlAgent:
             state = self.agent.transfer(handle)
         except Exception as exc:
             raise PeerFailedError(
-                f"NIXL agent {self.name}: reading {nbytes} bytes from {peer} failed: "
+                f"NIXL agent {self.name}: reading {nbytes} bytes from {self.peers.get(peer, peer)} failed: "
                 f"{type(exc).__name__}: {exc}"
             ) from exc
         if state == "ERR":
             self.agent.release_xfer_handle(handle)
             raise PeerFailedError(
-                f"NIXL agent {self.name}: reading {nbytes} bytes from {peer} failed at once"
+                f"NIXL agent {self.name}: reading {nbytes} bytes from {self.peers.get(peer, peer)} failed at once"
             )
         return Reading(peer, handle, nbytes)
 
@@ -191,11 +192,12 @@ class NixlAgent:
                         pending.remove(r)
                         self.agent.release_xfer_handle(r.handle)
                     elif state == "ERR":
-                        raise PeerFailedError(f"{what}: reading {r.nbytes} bytes from {r.peer} failed")
+                        raise PeerFailedError(
+                            f"{what}: reading {r.nbytes} bytes from {self.peers.get(r.peer, r.peer)} failed"
+                        )
                 if pending and time.monotonic() > deadline:
-                    raise SyncTimeoutError(
-                        f"{what}: reads from {sorted({r.peer for r in pending})} did not complete in time"
-                    )
+                    late = ", ".join(sorted({self.peers.get(r.peer, r.peer) for r in pending}))
+                    raise SyncTimeoutError(f"{what}: reads from {late} did not complete in time")
                 if pending:
                     time.sleep(POLL_S)
         finally:
@@ -207,7 +209,9 @@ class NixlAgent:
         try:
             self.agent.send_notif(peer, message)
         except Exception as exc:
-            raise PeerFailedError(f"NIXL agent {self.name}: notifying {peer} failed: {exc}") from exc
+            raise PeerFailedError(
+                f"NIXL agent {self.name}: notifying {self.peers.get(peer, peer)} failed: {exc}"
+            ) from exc
 
     def notes(self) -> dict[str, list[bytes]]:
         """The notifications that arrived since the last call, by the sending agent's name."""

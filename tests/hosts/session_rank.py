@@ -83,7 +83,9 @@ def main() -> int:
     ap.add_argument("--rejoin", default="", help="worker: syncs before which to join a new handshake")
     ap.add_argument("--control", default=None, help="wait for CONTROL/go-V before sync V")
     ap.add_argument("--timeout", type=float, default=60)
-    ap.add_argument("--backend", default="gloo", help="trainer: the sync's backend (gloo, or nixl: group-free)")
+    ap.add_argument(
+        "--backend", default="gloo", help="trainer: the sync's backend (gloo, or nixl: group-free)"
+    )
     args = ap.parse_args()
     torch.set_num_threads(1)
     model = model_tensors(CONFIG)
@@ -109,7 +111,9 @@ def main() -> int:
             engines = [n for v, n in steps if v <= version][-1]
             if control is not None:
                 wait_for(control / f"go-{version}", args.timeout * 3)
-            if side is None or side.endpoint.closed or engines != joined:
+            # group-free (nixl): engines join and leave through the admission desk; the trainer never rejoins
+            regroup = engines != joined and args.backend != "nixl"
+            if side is None or side.endpoint.closed or regroup:
                 if side is not None:
                     side.detach()
                 side = TrainerSync.connect(
@@ -117,6 +121,7 @@ def main() -> int:
                     token=TOKEN, timeout=args.timeout, backend=args.backend,
                 )  # fmt: skip
                 joined = engines
+                report(attached=version)
             full = full_tensors(version)
             for m in sources:
                 if args.rank in m.ranks:
@@ -129,7 +134,10 @@ def main() -> int:
                     version=version, error=f"{type(exc).__name__}: {exc}", seconds=time.monotonic() - started
                 )
                 continue
-            report(version=result.version, seconds=time.monotonic() - started, **moved(result.stats))
+            report(
+                version=result.version, seconds=time.monotonic() - started, dropped=list(result.dropped),
+                **moved(result.stats),
+            )  # fmt: skip
     else:
         first = TRAINERS + args.engine * WORKERS
         targets = vllm_target_maps(model, 1, WORKERS, first_rank=first)
@@ -148,6 +156,7 @@ def main() -> int:
                     link.endpoint.close()
                 report(joining=version)
                 link = join_worker(args, mine)  # fmt: skip
+                report(joined=version)
             before = {n: t.clone() for n, t in storage.items()}
             started = time.monotonic()
             try:
