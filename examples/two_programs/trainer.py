@@ -44,6 +44,13 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         "--join-deadline", type=float, default=600.0, help="seconds to keep waiting for the rollout program"
     )
     ap.add_argument("--verify-dir", default=None, help="write the trainer's weights here after each sync")
+    ap.add_argument(
+        "--backend",
+        default="gloo",
+        choices=("gloo", "nixl"),
+        help="gloo: one process group with the engines; nixl: no group, each vLLM worker reads its half "
+        "from this job's registered storages (pip install 'rollout-sync[nixl]')",
+    )
     return ap.parse_args(argv)
 
 
@@ -67,7 +74,7 @@ def attach(engine: Any, args: argparse.Namespace) -> Any:
     while True:
         try:
             return TrainerSync.attach(
-                engine, address=args.address, engines=args.engines, timeout=args.timeout
+                engine, address=args.address, engines=args.engines, timeout=args.timeout, backend=args.backend
             )
         except SyncTimeoutError:
             if time.monotonic() > deadline:

@@ -50,6 +50,7 @@ def start_programs(
     engines: Sequence[str] = ("b",),
     rollout_extra: Sequence[str] = (),
     next_pid: int | None = None,
+    backend: str = "gloo",
 ) -> tuple[dict[str, subprocess.Popen[bytes]], dict[str, Path]]:
     """The trainer program (2 ranks) on host a and rollout program k (engine k, vLLM TP 2) on host
     ``engines[k]``, every one verifying each sync into ``tmp/verify``; the processes and their logs."""
@@ -59,7 +60,7 @@ def start_programs(
     common += ["--verify-dir", str(tmp / "verify"), "--timeout", timeout]
     trainer_cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2"]
     trainer_cmd += ["--master-addr", "127.0.0.1", "--master-port", "29500", str(EXAMPLE / "trainer.py")]
-    trainer_cmd += [*common, "--zero", str(zero), "--engines", str(len(engines))]
+    trainer_cmd += [*common, "--zero", str(zero), "--engines", str(len(engines)), "--backend", backend]
     logs = {
         "trainer": tmp / "trainer.log",
         **{f"engine{k}": tmp / f"engine{k}.log" for k in range(len(engines))},
@@ -73,13 +74,21 @@ def start_programs(
 
 
 def run_programs(
-    hosts: Hosts, model: Path, tmp: Path, *, zero: int, engines: list[str], next_pid: int | None = None
+    hosts: Hosts,
+    model: Path,
+    tmp: Path,
+    *,
+    zero: int,
+    engines: list[str],
+    next_pid: int | None = None,
+    backend: str = "gloo",
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """``start_programs`` for two steps, to the end; both programs' summaries (trainer rank 0's steps,
     each rollout program's rows)."""
     procs, logs = start_programs(
-        hosts, model, tmp, steps=2, timeout=PROGRAM_TIMEOUT_S, zero=zero, engines=engines, next_pid=next_pid
-    )
+        hosts, model, tmp, steps=2, timeout=PROGRAM_TIMEOUT_S, zero=zero, engines=engines, next_pid=next_pid,
+        backend=backend,
+    )  # fmt: skip
     started = time.monotonic()
     try:
         for proc in procs.values():
@@ -125,6 +134,25 @@ def test_zero3_trainer_on_one_host_syncs_two_tp2_engines_on_two_others_over_the_
         assert all(r["bytes_over_group"] > 0 and r["bytes_same_host"] == 0 for r in rows), rows
         payload = sum(r["bytes_over_group"] for r in rows)
         assert crossed[host] > payload, (host, crossed[host], payload)  # every byte crossed the link
+
+
+def test_zero3_trainer_syncs_a_tp2_engine_on_another_host_group_free_each_worker_reading_its_half_over_nixl(
+    tiny_model: Any, tmp_path: Path
+):
+    """The same programs with ``--backend nixl``: no process group; each vLLM worker reads its half straight
+    from the trainer ranks' registered ZeRO-3 partitions (UCX over TCP across the link). Hosts a and b share a
+    hostname and pids. Every sync verified bit for bit against DeepSpeed's own gathered weights."""
+    model = tiny_model("dense")
+    with Hosts(["a", "b"], hostnames={"a": "node", "b": "node"}) as hosts:
+        before = hosts.bytes_into("b")
+        trained, summaries = run_programs(
+            hosts, model, tmp_path, zero=3, engines=["b"], next_pid=300, backend="nixl"
+        )
+        crossed = hosts.bytes_into("b") - before
+    check_verified(trained, summaries)
+    rows = summaries[0]["rollout"]
+    assert all(r["bytes_received"] > 0 and r["bytes_same_host"] == 0 for r in rows), rows
+    assert crossed > sum(r["bytes_received"] for r in rows), (crossed, rows)
 
 
 def test_zero2_trainer_syncs_an_engine_on_its_own_host_through_shared_memory_and_one_elsewhere_over_the_group(
