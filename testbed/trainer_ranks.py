@@ -38,6 +38,7 @@ def attach(
     staging_cap_bytes: int | None = None,
     shared_memory: bool = True,
     delta: bool = False,
+    backend: str = "gloo",
 ) -> int:
     """Attach rollout-sync to the engine (joins the handshake); returns this rank's global rank."""
     from rollout_sync.trainer.hook import TrainerSync
@@ -54,6 +55,7 @@ def attach(
         staging_cap_bytes=staging_cap_bytes or DEFAULT_STAGING_CAP_BYTES,
         shared_memory=shared_memory,
         delta=delta,
+        backend=backend,
     )
     ctx.state["sync"] = sync
     return sync.endpoint.rank

@@ -2,7 +2,7 @@
 link, in one run.
 
 ``python -m rollout_sync.bench hosts [--json] [--rates 1e9,2.5e9,0] [--syncs 2] [--warmup 1]
-[--methods ours,delta,baseline]``
+[--methods ours,pull,delta,baseline]``
 
 Two emulated hosts (``testbed.hosts``: network, UTS, mount and PID namespaces, joined by a switch; needs
 root): host a runs the trainer, DeepSpeed ZeRO-3 on 2 ranks (SGD, never stepped); host b runs one vLLM CPU
@@ -21,6 +21,9 @@ trainer's weights are negated in place (every byte new):
 - ``delta_rows``: the same after a handshake with ``delta=True``, at 1%, 10% and 50% of the stored weights
   changed (``bench sync``'s delta measurement: two unmeasured full syncs per fraction, then synthetic
   optimizer steps of that fraction; delta syncs, or full ones above ``delta_full_above``);
+- ``pull`` (``ours_pull_s``): the same syncs after a handshake with ``backend="nixl"``: no process group;
+  each vLLM worker reads its half straight from the trainer ranks' registered ZeRO-3 partitions through NIXL
+  (UCX over TCP on the link). ``ours_pull_delta_rows`` stays empty: delta syncs are not read over NIXL yet;
 - ``baseline`` (OpenRLHF style): a gloo group of trainer rank 0 and every vLLM worker, its store on host a;
   per parameter ``GatheredParameters`` on every trainer rank, rank 0 broadcasts the full tensor across the
   link to every worker, each calls ``model.load_weights`` (inside vLLM's layerwise reload where vLLM packs
@@ -32,7 +35,9 @@ the link: payload and headers, median), ``baseline_bytes_across``, ``link_bound_
 rate: the measured one where unshaped), ``delta_rows`` (``changed_fraction``, ``ours_delta_s``,
 ``delta_bytes_moved``, ``bitwise_equal``), ``modeled_s`` (``rollout_sync.scale.traffic.node_link_seconds``:
 the plan's bytes into host b over the rate), ``bitwise_equal`` (after ours' syncs, the trainer's own
-checkpoint written through vLLM's loader maps changes no bit of the engine), ``baseline_bitwise_equal``.
+checkpoint written through vLLM's loader maps changes no bit of the engine), ``baseline_bitwise_equal``; with
+``pull``: ``ours_pull_s``, ``pull_bytes_across``, ``ours_pull_over_link_bound``, ``pull_bitwise_equal``,
+``ours_pull_delta_rows``.
 """
 
 from __future__ import annotations
@@ -208,9 +213,9 @@ def run(args: argparse.Namespace, model: Path) -> list[dict[str, Any]]:
                 on_a.call(setup, spec, str(model))
                 _log("DeepSpeed ZeRO-3 on host a built")
 
-                def handshake(delta: bool) -> None:
+                def handshake(delta: bool, backend: str = "gloo") -> None:
                     pending = on_a.submit(
-                        attach, address, TOKEN, 1, None, "balanced", timeout, cap, True, delta
+                        attach, address, TOKEN, 1, None, "balanced", timeout, cap, True, delta, backend
                     )
                     llm.collective_rpc(
                         "rollout_sync_connect",
@@ -253,6 +258,11 @@ def run(args: argparse.Namespace, model: Path) -> list[dict[str, Any]]:
                     }
 
                 ours = per_rate(hosts, rates, "ours", ours_at)
+                pulls: dict[float, dict[str, Any]] = {}
+                if "pull" in args.methods:
+                    on_a.call(detach)
+                    handshake(delta=False, backend="nixl")
+                    pulls = per_rate(hosts, rates, "pull", ours_at)
                 deltas: dict[float, dict[str, Any]] = {}
                 if "delta" in args.methods:
                     on_a.call(detach)
@@ -299,7 +309,7 @@ def run(args: argparse.Namespace, model: Path) -> list[dict[str, Any]]:
     topology = Topology(TRAINERS, TP, TRAINERS, TP)
     rows = []
     for rate in rates:
-        o, b = ours[rate], baseline.get(rate)
+        o, b, p = ours[rate], baseline.get(rate), pulls.get(rate)
         link_bps = rate or o["measured"]
         modeled, _ = node_link_seconds(traffic, topology, link_bps / 8)
         ours_s = float(o["summary"]["seconds"])
@@ -318,6 +328,15 @@ def run(args: argparse.Namespace, model: Path) -> list[dict[str, Any]]:
             "bitwise_equal": o["equal"],
             "baseline_bitwise_equal": b["equal"] if b else None,
         }
+        if p:
+            row["ours_pull_s"] = round(float(p["summary"]["seconds"]), 4)
+            row["ours_pull_all_s"] = list(p["summary"]["all_seconds"])
+            row["pull_bytes_across"] = p["across"]
+            row["ours_pull_over_link_bound"] = round(row["ours_pull_s"] / row["link_bound_s"], 3)
+            row["pull_bitwise_equal"] = p["equal"]
+            row[
+                "ours_pull_delta_rows"
+            ] = []  # delta syncs are not read over NIXL yet (refused at the handshake)
         row["speedup"] = round(row["baseline_s"] / ours_s, 3) if b else None
         row["ours_over_link_bound"] = round(ours_s / row["link_bound_s"], 3)
         row["modeled_over_ours"] = round(modeled / ours_s, 3)
@@ -338,13 +357,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--timeout", type=float, default=300.0)
     parser.add_argument("--cap-mib", type=int, default=64, help="staging cap of ours, MiB")
-    parser.add_argument("--methods", default="ours,delta,baseline", help="which to run besides ours")
+    parser.add_argument("--methods", default="ours,pull,delta,baseline", help="which to run besides ours")
     args = parser.parse_args(argv)
     if args.syncs < 1 or args.warmup < 0:
         parser.error("--syncs must be >= 1 and --warmup >= 0")
     args.methods = {m for m in args.methods.split(",") if m}
-    if args.methods - {"ours", "delta", "baseline"}:
-        parser.error(f"--methods takes ours, delta, baseline, found {sorted(args.methods)}")
+    if args.methods - {"ours", "pull", "delta", "baseline"}:
+        parser.error(f"--methods takes ours, pull, delta, baseline, found {sorted(args.methods)}")
     os.environ["DS_ACCELERATOR"] = "cpu"
     from testbed.hosts import available
     from testbed.shaped_models import make_shaped_model
@@ -366,6 +385,12 @@ def main(argv: list[str] | None = None) -> int:
             f"{r['bytes_across'] / 1e9:.3f} GB across, link bound {r['link_bound_s']:.2f} s "
             f"({r['ours_over_link_bound']:.2f}x), modeled {r['modeled_s']:.2f} s; delta {deltas}; "
             f"bitwise {r['bitwise_equal']}"
+            + (
+                f"; pull (NIXL, no group) {r['ours_pull_s']:.2f} s ({r['ours_pull_over_link_bound']:.2f}x the "
+                f"link bound), bitwise {r['pull_bitwise_equal']}"
+                if "ours_pull_s" in r
+                else ""
+            )
         )
     if args.json:
         print(json.dumps({"rows": rows}))
