@@ -73,39 +73,45 @@ class AdmissionDesk:
         pending: dict[int, dict[bytes, PeerInfo]] = {}
         since: dict[int, float] = {}
         while not self._stop.is_set():
-            got = self.coord.next_message(0.2)
-            now = time.monotonic()
-            for engine in [e for e, t in since.items() if now - t > self.timeout]:
-                self._refuse(
-                    list(pending.pop(engine).values()),
-                    f"engine {engine}: not every worker said hello within {self.timeout:g} s",
-                )
-                del since[engine]
-            if got is None:
-                continue
-            identity, message = got
-            if message.kind != HELLO:
-                continue  # a welcomed worker's ready, or its failure to start (it raises on its side)
-            info = _hello(identity, message)
-            if isinstance(info, str):
-                self.coord.refuse_one(identity, info)
-                self.refused.append(info)
-                continue
-            workers = pending.setdefault(info.group, {})
-            for earlier in [p for p in workers.values() if p.local_rank == info.local_rank]:
-                del workers[earlier.identity]  # the same worker again (its first wait ended)
-            sizes = {p.local_size for p in workers.values()}
-            if sizes and info.local_size not in sizes:
-                self.coord.refuse_one(
-                    identity,
-                    f"{info.name}: engine size {info.local_size}, its other workers said {sizes.pop()}",
-                )
-                continue
-            workers[identity] = info
-            since.setdefault(info.group, now)
-            if len(workers) == info.local_size:
-                del pending[info.group], since[info.group]
-                self._admit(sorted(workers.values(), key=lambda p: p.local_rank))
+            try:
+                self._step(pending, since)
+            except Exception:  # the desk outlives any one peer's trouble (a socket gone before its welcome)
+                log.exception("rollout-sync: the admission desk failed to handle a message")
+
+    def _step(self, pending: dict[int, dict[bytes, PeerInfo]], since: dict[int, float]) -> None:
+        got = self.coord.next_message(0.2)
+        now = time.monotonic()
+        for engine in [e for e, t in since.items() if now - t > self.timeout]:
+            self._refuse(
+                list(pending.pop(engine).values()),
+                f"engine {engine}: not every worker said hello within {self.timeout:g} s",
+            )
+            del since[engine]
+        if got is None:
+            return
+        identity, message = got
+        if message.kind != HELLO:
+            return  # a welcomed worker's ready, or its failure to start (it raises on its side)
+        info = _hello(identity, message)
+        if isinstance(info, str):
+            self.coord.refuse_one(identity, info)
+            self.refused.append(info)
+            return
+        workers = pending.setdefault(info.group, {})
+        for earlier in [p for p in workers.values() if p.local_rank == info.local_rank]:
+            del workers[earlier.identity]  # the same worker again (its first wait ended)
+        sizes = {p.local_size for p in workers.values()}
+        if sizes and info.local_size not in sizes:
+            self.coord.refuse_one(
+                identity,
+                f"{info.name}: engine size {info.local_size}, its other workers said {sizes.pop()}",
+            )
+            return
+        workers[identity] = info
+        since.setdefault(info.group, now)
+        if len(workers) == info.local_size:
+            del pending[info.group], since[info.group]
+            self._admit(sorted(workers.values(), key=lambda p: p.local_rank))
 
     def _refuse(self, workers: Sequence[PeerInfo], reason: str) -> None:
         for p in workers:

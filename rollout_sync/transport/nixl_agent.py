@@ -15,6 +15,8 @@ from __future__ import annotations
 import contextlib
 import importlib
 import os
+import sys
+import threading
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -80,6 +82,46 @@ class Reading:
     nbytes: int
 
 
+PROGRESS_DELAY_ENV = "ROLLOUT_SYNC_NIXL_PROGRESS_DELAY_US"
+PROGRESS_DELAY_US = 10_000
+"""How long NIXL's UCX progress thread may sleep in ``poll`` between events. It wakes at once when data or a
+request arrives; the delay only bounds a wakeup UCX failed to signal. NIXL's Python agent sets 0, which makes
+the thread spin a whole core in every process that holds an agent (measured: a vLLM worker's thread at
+100 % system time, starving the engine on a 2-core host, and the handshake stalled behind it)."""
+
+_patch = threading.Lock()
+
+
+class _Bindings:
+    """NIXL's bindings module, except that the agent it makes has ``pthrDelay`` = ``delay_us``."""
+
+    def __init__(self, bindings: Any, delay_us: int) -> None:
+        self._bindings = bindings
+        self._delay_us = delay_us
+
+    def nixlAgent(self, name: str, config: Any) -> Any:  # the bindings' name
+        config.pthrDelay = self._delay_us
+        return self._bindings.nixlAgent(name, config)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._bindings, name)
+
+
+def _new_agent(nixl: Any, name: str) -> Any:
+    """``nixl_agent(name)`` with a UCX backend and a progress thread that waits for events (not one that
+    spins: ``PROGRESS_DELAY_US``)."""
+    delay = int(os.environ.get(PROGRESS_DELAY_ENV, PROGRESS_DELAY_US))
+    api: Any = sys.modules[nixl.nixl_agent.__module__]
+    config = nixl.nixl_agent_config(backends=["UCX"])
+    with _patch:
+        real = api.nixlBind
+        api.nixlBind = _Bindings(real, delay)
+        try:
+            return nixl.nixl_agent(name, config)
+        finally:
+            api.nixlBind = real
+
+
 class NixlAgent:
     """A named NIXL agent with a UCX backend. ``register`` pins storages once (each underlying storage one
     region, whatever views of it are passed); reads name memory by address, so a region must stay registered
@@ -87,9 +129,8 @@ class NixlAgent:
 
     def __init__(self, name: str) -> None:
         nixl = _nixl()
-        config = nixl.nixl_agent_config(backends=["UCX"])
         try:
-            self.agent = nixl.nixl_agent(name, config)
+            self.agent = _new_agent(nixl, name)
         except Exception as exc:  # the bindings raise their own types
             raise TransportUnavailableError(f"NIXL agent {name!r} could not start: {exc}") from exc
         if "UCX" not in self.agent.backends:

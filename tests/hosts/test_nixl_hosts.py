@@ -76,7 +76,14 @@ def test_a_link_cut_during_a_group_free_sync_fails_in_time_naming_the_peers_and_
         hosts.restore("b")
         hosts.shape("b")
         rejoined = lambda: all(any(line.get("joined") == 3 for line in r.lines) for r in ranks[2:])  # noqa: E731
-        session.until(rejoined, 4 * timeout, "the workers joining again")
+        try:
+            session.until(rejoined, 4 * timeout, "the workers joining again")
+        except AssertionError as exc:
+            for r in ranks:
+                assert r.proc is not None
+                Hosts.stop(r.proc)
+            errs = [(r.proc.stderr.read() if r.proc and r.proc.stderr else b"")[-3000:] for r in ranks]
+            raise AssertionError(f"{exc}: {[r.lines for r in ranks]} {errs}") from None
         session.go(tmp_path, 3)
         session.finish(ranks)
     first = session.lines_for(ranks, 1)
