@@ -180,6 +180,10 @@ class NixlAgent:
         self.peers[name] = label or name
         return name
 
+    def label(self, peer: str) -> str:
+        """How errors name ``peer``: its rank and host where known, else its agent's name."""
+        return self.peers.get(peer, peer)
+
     def connect(self, peer: str) -> None:
         """Connect ahead of the first read (it would otherwise connect, tens of ms idle, over 1 s under load)."""
         self.agent.make_connection(peer)
@@ -206,13 +210,13 @@ class NixlAgent:
             state = self.agent.transfer(handle)
         except Exception as exc:
             raise PeerFailedError(
-                f"NIXL agent {self.name}: reading {nbytes} bytes from {self.peers.get(peer, peer)} failed: "
+                f"NIXL agent {self.name}: reading {nbytes} bytes from {self.label(peer)} failed: "
                 f"{type(exc).__name__}: {exc}"
             ) from exc
         if state == "ERR":
             self.agent.release_xfer_handle(handle)
             raise PeerFailedError(
-                f"NIXL agent {self.name}: reading {nbytes} bytes from {self.peers.get(peer, peer)} failed at once"
+                f"NIXL agent {self.name}: reading {nbytes} bytes from {self.label(peer)} failed at once"
             )
         return Reading(peer, handle, nbytes)
 
@@ -227,17 +231,17 @@ class NixlAgent:
                         state = self.agent.check_xfer_state(r.handle)
                     except Exception as exc:
                         raise PeerFailedError(
-                            f"{what}: reading from {r.peer} failed: {type(exc).__name__}: {exc}"
+                            f"{what}: reading from {self.label(r.peer)} failed: {type(exc).__name__}: {exc}"
                         ) from exc
                     if state == "DONE":
                         pending.remove(r)
                         self.agent.release_xfer_handle(r.handle)
                     elif state == "ERR":
                         raise PeerFailedError(
-                            f"{what}: reading {r.nbytes} bytes from {self.peers.get(r.peer, r.peer)} failed"
+                            f"{what}: reading {r.nbytes} bytes from {self.label(r.peer)} failed"
                         )
                 if pending and time.monotonic() > deadline:
-                    late = ", ".join(sorted({self.peers.get(r.peer, r.peer) for r in pending}))
+                    late = ", ".join(sorted({self.label(r.peer) for r in pending}))
                     raise SyncTimeoutError(f"{what}: reads from {late} did not complete in time")
                 if pending:
                     time.sleep(POLL_S)
@@ -251,7 +255,7 @@ class NixlAgent:
             self.agent.send_notif(peer, message)
         except Exception as exc:
             raise PeerFailedError(
-                f"NIXL agent {self.name}: notifying {self.peers.get(peer, peer)} failed: {exc}"
+                f"NIXL agent {self.name}: notifying {self.label(peer)} failed: {exc}"
             ) from exc
 
     def notes(self) -> dict[str, list[bytes]]:

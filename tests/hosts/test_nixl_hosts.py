@@ -181,3 +181,46 @@ def test_an_engine_that_starts_late_joins_at_the_next_sync_boundary_and_the_othe
         assert all(line["wrong"] == [] for line in lines.values()), r.lines
         assert len([line for line in r.lines if "joined" in line]) == 1, r.lines
     assert sorted(session.syncs(late[0])) == [2, 3]
+
+
+def test_a_trainer_rank_killed_mid_read_fails_every_worker_in_time_naming_it_and_no_rank_hangs(
+    tmp_path: Path,
+):
+    """Trainer rank 0 on host a, trainer rank 1 on host c, an engine on host b. During sync 2 (c's link slowed to
+    200 kbit/s), every process of host c is SIGKILLed while the workers read from it. Every worker still reading
+    fails sync 2 within its timeout, naming trainer rank 1 and its address, and claims nothing (one whose reads
+    were all in holds version 2 bit for bit); trainer rank 0 learns of it from the workers and its sync 2 fails
+    too, naming them; no process hangs."""
+    timeout = session.TIMEOUT_S
+    with Hosts(["a", "b", "c"]) as hosts:
+        ctl = ["--control", str(tmp_path)]
+        ranks = [
+            session.Rank("trainer", 0, "a", [*NIXL, "--syncs", "1,2", *ctl]),
+            session.Rank("trainer", 1, "c", [*NIXL, "--syncs", "1,2", *ctl]),
+            *session.engine(0, "b", "--syncs", "1,2"),
+        ]
+        session.start(hosts, ranks, f"tcp://{hosts.name_of('a')}:{session.PORT}", timeout=timeout)
+        session.go(tmp_path, 1)
+        session.until(lambda: all(session.lines_for(ranks, 1)), 120, "sync 1")
+        hosts.shape("c", rate_bps=2 * 10**5, burst_bytes=70 * 1024)  # each worker's read from c: over 1 s
+        session.go(tmp_path, 2)
+        time.sleep(0.5)
+        hosts.kill("c")
+        killed_at = time.monotonic()
+        survivors = [ranks[0], *ranks[2:]]
+        session.until(lambda: all(session.lines_for(survivors, 2)), 4 * timeout, "sync 2 on every survivor")
+        failed_within = time.monotonic() - killed_at
+        session.finish(survivors)
+    assert failed_within < timeout + 5, failed_within
+    failed = 0
+    for line in session.lines_for(ranks[2:], 2):
+        assert line is not None, ranks[2:]
+        if "error" not in line:  # this worker's reads were all in before the kill: bit for bit, then
+            assert line["wrong"] == [], line
+            continue
+        failed += 1
+        assert "trainer rank 1" in line["error"] and hosts.address("c") in line["error"], line
+        assert line["status"]["version"] == 1 and line["status"]["incomplete"] is True, line
+    assert failed >= 1, session.lines_for(ranks[2:], 2)
+    line = session.syncs(ranks[0])[2]
+    assert "error" in line and "engine 0 worker" in line["error"], line
