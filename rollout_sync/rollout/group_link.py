@@ -20,7 +20,8 @@ from ..handshake import ROLLOUT
 from ..layout.maps import TensorMap
 from ..planning.wire import encode_maps
 from ..sync.endpoint import Endpoint, SyncResult, resolve_token
-from ..sync.nixl_endpoint import PullEndpoint, SourceEndpoint
+from ..sync.nixl_pull import PullEndpoint
+from ..sync.nixl_source import SourceEndpoint
 from ..transport import DEFAULT_STAGING_CAP_BYTES, ExecuteOptions
 from ..transport.targets import TargetStream
 

@@ -28,7 +28,9 @@ from ..transport.network import route_source, split_address
 from ..transport.shared_memory import SameHost
 from ..transport.targets import TargetStream
 from .commit import commit
-from .nixl_endpoint import NixlSource, PullEndpoint, SourceEndpoint
+from .nixl_endpoint import NixlSource
+from .nixl_pull import PullEndpoint
+from .nixl_source import SourceEndpoint
 from .roster import RosterEntry, blame, decode_roster, in_process_peers, same_host_peers, this_process
 
 TOKEN_ENV = "ROLLOUT_SYNC_TOKEN"

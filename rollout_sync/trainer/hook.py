@@ -31,7 +31,9 @@ from ..planning.wire import encode_maps
 from ..sync.admission import AdmissionDesk
 from ..sync.coordination import Coordinated, coordinate, maps_digest
 from ..sync.endpoint import Endpoint, SyncResult, resolve_token
-from ..sync.nixl_endpoint import NixlSource, PullEndpoint, SourceEndpoint
+from ..sync.nixl_endpoint import NixlSource
+from ..sync.nixl_pull import PullEndpoint
+from ..sync.nixl_source import SourceEndpoint
 from ..sync.roster import device_kind
 from ..transport import DEFAULT_STAGING_CAP_BYTES, ExecuteOptions
 from ..transport.network import route_source, split_address

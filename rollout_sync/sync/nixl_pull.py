@@ -1,0 +1,291 @@
+"""A rollout worker's side of a group-free sync (backend ``nixl``; the protocol: ``sync.nixl_endpoint``): it
+reads its half of the plan from the trainer ranks' registered storages."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from collections.abc import Collection, Mapping
+from typing import Any
+
+import torch
+
+from ..errors import PeerFailedError, PlanMismatchError, RolloutSyncError, SyncTimeoutError
+from ..layout.dtypes import itemsize
+from ..transport import SyncStats
+from ..transport.nixl_agent import NixlAgent, Reading, ucx_environment
+from ..transport.nixl_reads import ReadPlan, read_plan
+from ..transport.program import torch_dtype, view
+from ..transport.targets import TargetStream
+from .nixl_endpoint import (
+    POLL_S,
+    READY,
+    REFUSED,
+    STATE_BYTES,
+    GroupFreeEndpoint,
+    numel,
+    read_state,
+    worker_agent,
+)
+
+__all__ = ["PullEndpoint"]
+
+
+class PullEndpoint(GroupFreeEndpoint):
+    """A rollout worker in a group-free sync: it reads its half from the trainer ranks' storages."""
+
+    def __init__(
+        self, *, group_id: str, sources: Mapping[int, Mapping[str, Any]], bind: str, **kw: Any
+    ) -> None:
+        super().__init__(**kw)
+        ucx_environment(bind)
+        self.agent = NixlAgent(worker_agent(group_id, self.rank))
+        needed = {s.source_rank for s in self.half.receives}
+        self.state_buffer = torch.zeros(STATE_BYTES * max(len(needed), 1), dtype=torch.uint8)
+        self.staging = torch.empty(0, dtype=torch.uint8)
+        self.agent.register([self.state_buffer])
+        self.peers: dict[int, str] = {}
+        self.bases: dict[int, dict[str, int]] = {}
+        self.states: dict[int, int] = {}
+        self.last_seq: dict[int, int] = {}
+        for rank in sorted(needed):
+            info = sources.get(rank) if str(rank) not in sources else sources[str(rank)]  # type: ignore[index]
+            if info is None:
+                raise PeerFailedError(
+                    f"rank {self.rank}: the welcome names no NIXL agent for trainer rank {rank}"
+                )
+            self.peers[rank] = self.agent.add_peer(bytes.fromhex(str(info["metadata"])), self._who(rank))
+            self.bases[rank] = {str(k): int(v) for k, v in dict(info["bases"]).items()}
+            self.states[rank] = int(info["state"])
+            self.last_seq[rank] = 0
+        for peer in self.peers.values():  # connected ahead; else at the first read
+            with contextlib.suppress(Exception):
+                self.agent.connect(peer)
+        me = self.roster.get(self.rank)
+        reads: dict[int, int] = {}
+        for s in self.half.receives:
+            t = self.half.tensors[s.tensor]
+            reads[s.source_rank] = reads.get(s.source_rank, 0) + numel(s.extent) * itemsize(t.source_dtype)
+        for rank, peer in self.peers.items():  # each trainer rank counts this worker from its next sync on
+            join = {
+                "rank": self.rank,
+                "engine": -1 if me is None or me.engine is None else me.engine,
+                "local_rank": 0 if me is None else me.local_rank,
+                "label": self._who(self.rank),
+                "nbytes": reads.get(rank, 0),
+            }
+            self.agent.notify(peer, b"join " + json.dumps(join).encode())
+        self._plan: tuple[Any, ReadPlan] | None = None
+
+    def _read_plan(self, in_place: frozenset[str]) -> ReadPlan:
+        key = (self.half.digest, in_place, self.options.staging_cap_bytes)
+        if self._plan is None or self._plan[0] != key:
+            self._plan = (key, read_plan(self.half, in_place, self.options.staging_cap_bytes))
+        return self._plan[1]
+
+    def _states(self, ranks: Collection[int], deadline: float) -> dict[int, tuple[int, int, int, str]]:
+        """The states of source ranks ``ranks`` now: (sequence number, version, phase, reason) each, read in
+        parallel."""
+        order = sorted(ranks)
+        base = self.state_buffer.data_ptr()
+        readings = [
+            self.agent.read(
+                self.peers[rank],
+                [(base + i * STATE_BYTES, STATE_BYTES, 0)],
+                [(self.states[rank], STATE_BYTES, 0)],
+            )
+            for i, rank in enumerate(order)
+        ]
+        self.agent.wait(readings, deadline, f"rank {self.rank}: reading the trainer ranks' sync state")
+        return {
+            rank: read_state(self.state_buffer[i * STATE_BYTES : (i + 1) * STATE_BYTES])
+            for i, rank in enumerate(order)
+        }
+
+    def _wait_ready(self, deadline: float) -> tuple[int, dict[int, int]]:
+        """Each source's state until every one is READY for a new sync; (version, seq per source)."""
+        pending = set(self.peers)
+        seen: dict[int, tuple[int, int]] = {}
+        while True:
+            try:
+                states = self._states(pending, deadline)
+            except SyncTimeoutError as exc:
+                if time.monotonic() < deadline:
+                    raise
+                states = {}  # the deadline passed while a read was out: said below, as any late start
+                late: Exception | None = exc
+            else:
+                late = None
+            for rank, (seq, version, phase, reason) in states.items():
+                if seq <= self.last_seq[rank]:
+                    continue
+                if phase == REFUSED:
+                    self.last_seq[rank] = seq
+                    self._tell(seen, b"fail", f"{self._who(rank)} refused")
+                    raise PlanMismatchError(
+                        f"rank {self.rank}: {self._who(rank)} refused sync {version}: {reason}"
+                    )
+                if phase == READY:
+                    seen[rank] = (seq, version)
+                    pending.discard(rank)
+            if not pending:
+                break
+            if time.monotonic() > deadline:
+                self._tell(seen, b"fail", "timed out waiting for the other trainer ranks")
+                missing = ", ".join(self._who(r) for r in sorted(pending))
+                raise SyncTimeoutError(
+                    f"rank {self.rank}: {missing} did not start a sync within {self.options.timeout:g} s"
+                ) from late
+            time.sleep(POLL_S)
+        versions = {v for _, v in seen.values()}
+        if len(versions) > 1:
+            self._tell(seen, b"fail", f"trainer ranks offered versions {sorted(versions)}")
+            raise PeerFailedError(
+                f"rank {self.rank}: the trainer ranks offered different versions {sorted(versions)}"
+            )
+        return versions.pop(), {r: s for r, (s, _) in seen.items()}
+
+    def _still_ready(self, seqs: Mapping[int, int], version: int, deadline: float) -> None:
+        """Every source still offers the sync this worker read (a seqlock's second look): a trainer rank that
+        gave up waiting (its timeout) may have let the optimizer step while the reads were in flight, so
+        what they read may be torn; then this worker fails and claims nothing."""
+        for rank, (seq, _, phase, _) in self._states(seqs, deadline).items():
+            if seq != seqs[rank] or phase != READY:
+                raise PeerFailedError(
+                    f"rank {self.rank}: {self._who(rank)} ended sync {version} before this worker's reads were "
+                    "done (it timed out or failed): what was read may mix two versions"
+                )
+
+    def _tell(self, seen: Mapping[int, Any], kind: bytes, why: str) -> None:
+        for rank, entry in seen.items():
+            seq = entry[0] if isinstance(entry, tuple) else int(entry)
+            with contextlib.suppress(PeerFailedError):
+                self.agent.notify(self.peers[rank], kind + b" %d " % seq + why.encode()[:900])
+
+    def run(
+        self,
+        sources: Mapping[str, torch.Tensor],
+        targets: Mapping[str, torch.Tensor],
+        version: int = -1,
+        refusal: str | None = None,
+        stream: TargetStream | None = None,
+    ) -> Any:
+        from .endpoint import SyncResult
+
+        start = time.perf_counter()
+        reason = refusal or self._check(sources, targets, stream)
+        deadline = time.monotonic() + self.options.timeout
+        try:
+            got, seqs = self._wait_ready(deadline)
+        except PlanMismatchError:
+            raise
+        except (RolloutSyncError, RuntimeError):
+            self.close()
+            raise
+        if reason is not None:  # nothing is read; the trainer ranks learn why at once
+            self._tell(seqs, b"refuse", reason)
+            for rank, seq in seqs.items():
+                self.last_seq[rank] = seq
+            raise PlanMismatchError(reason)
+        try:
+            received = self._read(targets, stream, deadline)
+            self._still_ready(seqs, got, deadline)
+        except (RolloutSyncError, RuntimeError) as exc:
+            self._tell(seqs, b"fail", f"{type(exc).__name__}: {exc}")
+            self.close()
+            raise
+        for rank, seq in seqs.items():
+            self.last_seq[rank] = seq
+        self._tell(seqs, b"done", "")
+        plan = self._plan[1] if self._plan else None
+        stats = SyncStats(
+            self.rank,
+            {},
+            received,
+            0,
+            0,
+            len(received),
+            len(plan.batches) if plan else 0,
+            plan.staging_bytes if plan else 0,
+            self.options.staging_cap_bytes,
+            seconds={"total": time.perf_counter() - start},
+        )
+        return SyncResult(got, stats, time.perf_counter() - start)
+
+    def _read(
+        self, targets: Mapping[str, torch.Tensor], stream: TargetStream | None, deadline: float
+    ) -> dict[int, int]:
+        given = {n: t for n, t in targets.items() if not t.is_meta}
+        watched = {n for n in given if stream is not None and stream.watches(n)}
+        plan = self._read_plan(frozenset(n for n in given if n not in watched))
+        self.agent.register(given[r.name] for r in plan.in_place)
+        if self.staging.numel() < plan.staging_bytes:
+            self.staging = torch.empty(plan.staging_bytes, dtype=torch.uint8)
+        if plan.staging_bytes:
+            self.agent.register([self.staging])
+        remaining: dict[str, int] = {}
+        for b in plan.batches:
+            for p in b:
+                remaining[p.name] = remaining.get(p.name, 0) + 1
+        made: dict[str, torch.Tensor] = {}
+
+        def target(name: str) -> torch.Tensor:
+            t = made.get(name)
+            if t is None:
+                t = given[name] if name in given else stream.open(name)  # type: ignore[union-attr]
+                made[name] = t
+            return t
+
+        what = f"rank {self.rank}"
+        by_source: dict[int, tuple[list[tuple[int, int, int]], list[tuple[int, int, int]]]] = {}
+        for r in plan.in_place:
+            t = given[r.name]
+            base, remote = t.data_ptr(), self.bases[r.source][r.name]
+            local_rows, remote_rows = by_source.setdefault(r.source, ([], []))
+            for src, dst, n in r.runs:
+                local_rows.append((base + dst * r.itemsize, n * r.itemsize, 0))
+                remote_rows.append((remote + src * r.itemsize, n * r.itemsize, 0))
+        readings: list[Reading] = [
+            self.agent.read(self.peers[rank], local, remote)
+            for rank, (local, remote) in sorted(by_source.items())
+        ]
+        self.agent.wait(readings, deadline, what)
+        staging = self.staging.data_ptr()
+        for batch in plan.batches:
+            rows: dict[int, tuple[list[tuple[int, int, int]], list[tuple[int, int, int]]]] = {}
+            for p in batch:
+                remote = self.bases[p.source][p.name]
+                local_rows, remote_rows = rows.setdefault(p.source, ([], []))
+                for src, at, n in p.runs:
+                    local_rows.append((staging + p.offset + at * p.itemsize, n * p.itemsize, 0))
+                    remote_rows.append((remote + src * p.itemsize, n * p.itemsize, 0))
+            self.agent.wait(
+                [self.agent.read(self.peers[rank], lr, rr) for rank, (lr, rr) in sorted(rows.items())],
+                deadline,
+                what,
+            )
+            for p in batch:
+                typed = self.staging[p.offset : p.offset + p.count * p.itemsize].view(
+                    torch_dtype(p.source_dtype)
+                )
+                storage = target(p.name)
+                for c in p.copies:
+                    n = 1
+                    for e in c.extent:
+                        n *= e
+                    view(storage, c).copy_(typed[c.buffer_offset : c.buffer_offset + n].view(c.extent))
+                remaining[p.name] -= 1
+                if (
+                    remaining[p.name] == 0
+                    and stream is not None
+                    and (p.name not in given or p.name in watched)
+                ):
+                    made.pop(p.name, None)
+                    stream.close(p.name)
+        return plan.bytes_from()
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self.agent.close()
