@@ -83,7 +83,8 @@ def read_plan(half: PlanHalf, in_place: Collection[str], staging_cap_bytes: int)
     batches: list[tuple[Staged, ...]] = []
     batch: list[Staged] = []
     used = 0
-    for s in sorted(half.receives, key=lambda s: (s.source_rank, s.tensor, s.target_offset)):
+    # tensor by tensor (then source rank): a target made while it is written (a loaded form) is open briefly
+    for s in sorted(half.receives, key=lambda s: (s.tensor, s.source_rank, s.target_offset)):
         t = half.tensors[s.tensor]
         size = itemsize(t.source_dtype)
         numel = _numel(s.extent)

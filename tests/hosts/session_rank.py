@@ -54,6 +54,52 @@ def wait_for(path: Path, timeout: float) -> None:
         time.sleep(0.02)
 
 
+class Made:
+    """A ``TargetStream`` as vLLM's loaded forms are one: a target's storage is made at its first part (NaN)
+    and, once its last part has landed, written into the worker's storage (a layer's rebuild); each target
+    is made once per sync and closed once."""
+
+    def __init__(self, storage: dict[str, torch.Tensor]) -> None:
+        self.storage = storage
+        self.open_now: dict[str, torch.Tensor] = {}
+        self.opened: list[str] = []
+        self.closed: list[str] = []
+
+    def open(self, name: str) -> torch.Tensor:
+        assert name not in self.open_now, f"{name} made twice"
+        self.opened.append(name)
+        made = self.open_now[name] = torch.full_like(self.storage[name], float("nan"))
+        return made
+
+    def close(self, name: str) -> None:
+        self.closed.append(name)
+        self.storage[name].copy_(self.open_now.pop(name))
+
+    def watches(self, name: str) -> bool:
+        return False
+
+    def held_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.open_now.values())
+
+    def adds_bytes(self, name: str) -> int:
+        t = self.storage[name]
+        return 0 if name in self.open_now else t.numel() * t.element_size()
+
+    def reserve_bytes(self) -> int:
+        return 0
+
+    def room_bytes(self) -> int:
+        return max(t.numel() * t.element_size() for t in self.storage.values())
+
+    def check(self) -> None:
+        assert not self.open_now, f"left open: {sorted(self.open_now)}"
+        assert sorted(self.opened) == sorted(self.closed) == sorted(set(self.opened)), (
+            self.opened,
+            self.closed,
+        )
+        assert set(self.closed) == set(self.storage), sorted(set(self.storage) - set(self.closed))
+
+
 def join_worker(args: argparse.Namespace, maps: list) -> Any:
     """Join the next handshake, as a long-running engine does: the coordinator may not be there yet (its
     trainer still failing, a link still down), so a join that times out is tried again, up to 5 timeouts."""
@@ -66,6 +112,7 @@ def join_worker(args: argparse.Namespace, maps: list) -> Any:
             return RolloutLink.connect(
                 args.address, engine=args.engine, local_rank=args.rank, local_size=WORKERS, maps=maps,
                 token=TOKEN, timeout=args.timeout,
+                **({"staging_cap_bytes": args.cap} if args.cap else {}),
             )  # fmt: skip
         except SyncTimeoutError:
             if time.monotonic() > deadline:
@@ -86,6 +133,10 @@ def main() -> int:
     ap.add_argument(
         "--backend", default="gloo", help="trainer: the sync's backend (gloo, or nixl: group-free)"
     )
+    ap.add_argument(
+        "--stream", action="store_true", help="worker: targets made while written (as vLLM's loaded forms)"
+    )
+    ap.add_argument("--cap", type=int, default=None, help="worker: its staging cap, bytes")
     args = ap.parse_args()
     torch.set_num_threads(1)
     model = model_tensors(CONFIG)
@@ -159,8 +210,14 @@ def main() -> int:
                 report(joined=version)
             before = {n: t.clone() for n, t in storage.items()}
             started = time.monotonic()
+            stream = Made(storage) if args.stream else None
             try:
-                result = link.receive(storage)
+                if stream is None:
+                    result = link.receive(storage)
+                else:
+                    meta = {n: torch.empty(t.shape, dtype=t.dtype, device="meta") for n, t in storage.items()}
+                    result = link.receive(meta, stream)
+                    stream.check()
             except Exception as exc:
                 kept = all(torch.equal(before[n], storage[n]) for n in storage)
                 report(
