@@ -157,8 +157,8 @@ def main(argv: list[str] | None = None) -> int:
         row: dict[str, Any] = {
             "version": version,
             "weight_version": llm.get_weight_version(),
-            # as messages over the sync group, or copied from the trainer's storages this worker maps or
-            # pulls (same host only)
+            # as messages over the sync group (group-free, backend nixl: read from the trainer's registered
+            # storages), or copied from the trainer's storages this worker maps or pulls (same host only)
             "bytes_over_group": sum(sum(r["stats"]["bytes_received"].values()) for r in reports),
             "bytes_same_host": sum(
                 sum(r["stats"]["bytes_mapped_from"].values()) + sum(r["stats"]["bytes_pulled"].values())
