@@ -239,4 +239,9 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Every line is out: end here, not in the interpreter's teardown, where a library thread left behind by a
+    # closed gloo group once aborted a finished rank (SIGABRT, "terminate called without an active exception").
+    os._exit(code)
