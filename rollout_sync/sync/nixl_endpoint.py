@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import logging
 import secrets
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,7 +41,7 @@ from ..transport.nixl_agent import NixlAgent, ucx_environment
 from ..transport.targets import TargetStream
 from .roster import RosterEntry
 
-__all__ = ["GroupFreeEndpoint", "NixlSource", "numel", "read_state", "worker_agent"]
+__all__ = ["GroupFreeEndpoint", "NixlSource", "read_state", "worker_agent"]
 
 log = logging.getLogger(__name__)
 
@@ -158,10 +158,3 @@ class GroupFreeEndpoint:
             return f"rank {self.rank}: a group-free sync cannot copy within a rank (trainer and worker in one process)"
         reason, _ = check_storages(self.half, sources, targets)
         return reason
-
-
-def numel(extent: Sequence[int]) -> int:
-    n = 1
-    for e in extent:
-        n *= e
-    return n

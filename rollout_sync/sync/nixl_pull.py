@@ -24,7 +24,6 @@ from .nixl_endpoint import (
     REFUSED,
     STATE_BYTES,
     GroupFreeEndpoint,
-    numel,
     read_state,
     worker_agent,
 )
@@ -66,7 +65,7 @@ class PullEndpoint(GroupFreeEndpoint):
         reads: dict[int, int] = {}
         for s in self.half.receives:
             t = self.half.tensors[s.tensor]
-            reads[s.source_rank] = reads.get(s.source_rank, 0) + numel(s.extent) * itemsize(t.source_dtype)
+            reads[s.source_rank] = reads.get(s.source_rank, 0) + s.numel * itemsize(t.source_dtype)
         for rank, peer in self.peers.items():  # each trainer rank counts this worker from its next sync on
             join = {
                 "rank": self.rank,

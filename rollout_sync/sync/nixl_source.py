@@ -15,7 +15,7 @@ from ..errors import PeerFailedError, PlanMismatchError
 from ..layout.dtypes import itemsize
 from ..transport import SyncStats
 from ..transport.targets import TargetStream
-from .nixl_endpoint import CLOSED, POLL_S, READY, REFUSED, GroupFreeEndpoint, NixlSource, numel, worker_agent
+from .nixl_endpoint import CLOSED, POLL_S, READY, REFUSED, GroupFreeEndpoint, NixlSource, worker_agent
 
 __all__ = ["Reader", "SourceEndpoint"]
 
@@ -46,7 +46,7 @@ class SourceEndpoint(GroupFreeEndpoint):
         sent: dict[int, int] = {}
         for s in self.half.sends:
             t = self.half.tensors[s.tensor]
-            sent[s.target_rank] = sent.get(s.target_rank, 0) + numel(s.extent) * itemsize(t.source_dtype)
+            sent[s.target_rank] = sent.get(s.target_rank, 0) + s.numel * itemsize(t.source_dtype)
         self.readers: dict[str, Reader] = {}
         for rank, nbytes in sorted(sent.items()):
             e = self.roster.get(rank)

@@ -68,13 +68,6 @@ class ReadPlan:
         return tuple(sorted(self.bytes_from()))
 
 
-def _numel(extent: tuple[int, ...]) -> int:
-    n = 1
-    for e in extent:
-        n *= e
-    return n
-
-
 def read_plan(half: PlanHalf, in_place: Collection[str], staging_cap_bytes: int) -> ReadPlan:
     """The reads of ``half``'s received segments; ``in_place``: the targets that may be read into directly
     (given storages of the source's dtype). Local segments have no place here: a group-free sync has every
@@ -87,7 +80,7 @@ def read_plan(half: PlanHalf, in_place: Collection[str], staging_cap_bytes: int)
     for s in sorted(half.receives, key=lambda s: (s.tensor, s.source_rank, s.target_offset)):
         t = half.tensors[s.tensor]
         size = itemsize(t.source_dtype)
-        numel = _numel(s.extent)
+        numel = s.numel
         if t.name in in_place and t.source_dtype == t.target_dtype:
             direct.append(InPlace(s.source_rank, t.name, size, tuple(part_runs(Part(s, 0, numel, 0)))))
             continue
