@@ -7,7 +7,7 @@ import contextlib
 import json
 import time
 from collections.abc import Collection, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -27,6 +27,9 @@ from .nixl_endpoint import (
     read_state,
     worker_agent,
 )
+
+if TYPE_CHECKING:
+    from .endpoint import SyncResult
 
 __all__ = ["PullEndpoint"]
 
@@ -169,7 +172,7 @@ class PullEndpoint(GroupFreeEndpoint):
         version: int = -1,
         refusal: str | None = None,
         stream: TargetStream | None = None,
-    ) -> Any:
+    ) -> SyncResult:
         from .endpoint import SyncResult
 
         start = time.perf_counter()

@@ -7,7 +7,7 @@ import logging
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -16,6 +16,9 @@ from ..layout.dtypes import itemsize
 from ..transport import SyncStats
 from ..transport.targets import TargetStream
 from .nixl_endpoint import CLOSED, POLL_S, READY, REFUSED, GroupFreeEndpoint, NixlSource, worker_agent
+
+if TYPE_CHECKING:
+    from .endpoint import SyncResult
 
 __all__ = ["Reader", "SourceEndpoint"]
 
@@ -91,7 +94,7 @@ class SourceEndpoint(GroupFreeEndpoint):
         version: int = -1,
         refusal: str | None = None,
         stream: TargetStream | None = None,
-    ) -> Any:
+    ) -> SyncResult:
         from .endpoint import SyncResult
 
         start = time.perf_counter()
