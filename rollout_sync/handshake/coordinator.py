@@ -93,14 +93,21 @@ class Coordinator:
         self.trainer_world = trainer_world
         self.engines = engines
         self.timeout = timeout
-        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+        # A context of its own: closing it (``close``) returns only once the port is released, so a
+        # handshake joined again in the same process can bind the same address at once.
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self._sock: zmq.Socket[bytes] = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 1000)
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        if port:
-            self._sock.bind(f"tcp://{host}:{port}")
-        else:
-            port = self._sock.bind_to_random_port(f"tcp://{host}")
+        try:
+            if port:
+                self._sock.bind(f"tcp://{host}:{port}")
+            else:
+                port = self._sock.bind_to_random_port(f"tcp://{host}")
+        except zmq.ZMQError:
+            self._sock.close(linger=0)
+            self._ctx.term()
+            raise
         self.host = host
         self.port = port
         self.peers: dict[bytes, PeerInfo] = {}
@@ -217,7 +224,11 @@ class Coordinator:
                 self._send(identity, Message(ABORT, self._token, fields), block=False)
 
     def close(self) -> None:
+        """Close the socket (unsent messages get 200 ms) and release its address before returning."""
+        if self._ctx.closed:
+            return
         self._sock.close(linger=200)
+        self._ctx.term()
 
     # -- after the handshake: an admission desk (``sync.admission``) keeps the socket ------------------------
     def next_message(self, wait_s: float) -> tuple[bytes, Message] | None:
