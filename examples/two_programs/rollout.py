@@ -164,6 +164,11 @@ def main(argv: list[str] | None = None) -> int:
                 sum(r["stats"]["bytes_mapped_from"].values()) + sum(r["stats"]["bytes_pulled"].values())
                 for r in reports
             ),
+            # layers vLLM keeps in another form (CPU GEMM prepacks on AVX-512 and AMX CPUs): written in
+            # their loaded form and rebuilt by vLLM; None where every layer keeps its plain weight
+            "layers_rebuilt": None
+            if all(r["loaded_forms"] is None for r in reports)
+            else sum(r["loaded_forms"]["rebuilt"] for r in reports if r["loaded_forms"] is not None),
             "tokens": [list(o.outputs[0].token_ids) for o in outputs],
             "weights_digest": weights_digest(llm),
         }
