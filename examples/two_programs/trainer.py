@@ -45,6 +45,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     )
     ap.add_argument("--verify-dir", default=None, help="write the trainer's weights here after each sync")
     ap.add_argument(
+        "--gate",
+        default=None,
+        help="a directory: step k starts once the file go-k is there (a test or a demo drives the steps; "
+        "engines may join or leave between them); without it the steps run back to back",
+    )
+    ap.add_argument(
         "--backend",
         default="gloo",
         choices=("gloo", "nixl"),
@@ -81,6 +87,15 @@ def attach(engine: Any, args: argparse.Namespace) -> Any:
                 raise
 
 
+def wait_for_gate(gate: Path, step: int, timeout: float) -> None:
+    """Every rank waits for ``gate/go-{step}`` (bounded: a driver that never opens it fails the program)."""
+    deadline = time.monotonic() + timeout
+    while not (gate / f"go-{step}").exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"step {step}: {gate / f'go-{step}'} did not appear within {timeout:g} s")
+        time.sleep(0.05)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     os.environ["DS_ACCELERATOR"] = "cpu"
@@ -110,6 +125,8 @@ def main(argv: list[str] | None = None) -> int:
     steps: list[dict[str, Any]] = []
     for step in range(1, args.steps + 1):
         synced = len(sync.history)
+        if args.gate:
+            wait_for_gate(Path(args.gate), step, args.join_deadline)
         try:
             loss = train_step(engine, seed=step)  # engine.step() inside syncs (the hook)
         except RolloutSyncError as exc:  # the step applied, its sync failed: on every rank
@@ -127,10 +144,13 @@ def main(argv: list[str] | None = None) -> int:
             raise RuntimeError(f"step {step} did not sync (history {len(sync.history)})")
         if out is not None:
             write_verification(engine, rank, args.model, out, last.version)
-        steps.append({"step": step, "loss": loss, "version": last.version, "sync_s": last.seconds})
+        # group-free (nixl): the workers this sync dropped, whole engines, each named with why
+        dropped = list(last.dropped)
+        steps.append({"step": step, "loss": loss, "version": last.version, "sync_s": last.seconds, "dropped": dropped})  # fmt: skip
         if rank == 0:
             print(
-                f"[trainer] step {step}: loss {loss:.4f}, synced v{last.version} in {last.seconds * 1000:.0f} ms",
+                f"[trainer] step {step}: loss {loss:.4f}, synced v{last.version} in {last.seconds * 1000:.0f} ms"
+                + (f"; dropped: {'; '.join(dropped)}" if dropped else ""),
                 flush=True,
             )
     sync.detach()

@@ -39,6 +39,29 @@ def _last_json(log: Path) -> dict[str, Any]:
     raise AssertionError(f"no JSON summary in {log}:\n{log.read_text(errors='replace')[-3000:]}")
 
 
+ENV = {"ROLLOUT_SYNC_TOKEN": "across-hosts-test", "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}  # fmt: skip
+
+
+def common_args(hosts: Hosts, model: Path, tmp: Path, steps: int, timeout: str) -> list[str]:
+    address = f"tcp://{hosts.name_of('a')}:{PORT}"
+    return ["--model", str(model), "--address", address, "--steps", str(steps), "--verify-dir", str(tmp / "verify"), "--timeout", timeout]  # fmt: skip
+
+
+def trainer_command(common: Sequence[str], *, zero: int, engines: int, backend: str) -> list[str]:
+    """The trainer program (2 ranks under ``torch.distributed.run``)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2"]
+    cmd += ["--master-addr", "127.0.0.1", "--master-port", "29500", str(EXAMPLE / "trainer.py")]
+    return [*cmd, *common, "--zero", str(zero), "--engines", str(engines), "--backend", backend]
+
+
+def rollout_command(
+    common: Sequence[str], engine: int, *, tp: int = 2, extra: Sequence[str] = ()
+) -> list[str]:
+    """Rollout program ``engine`` (vLLM at ``tp``)."""
+    cmd = [sys.executable, str(EXAMPLE / "rollout.py"), *common, "--trainer-ranks", "2", "--tp", str(tp)]
+    return [*cmd, "--engine", str(engine), *extra]
+
+
 def start_programs(
     hosts: Hosts,
     model: Path,
@@ -54,21 +77,16 @@ def start_programs(
 ) -> tuple[dict[str, subprocess.Popen[bytes]], dict[str, Path]]:
     """The trainer program (2 ranks) on host a and rollout program k (engine k, vLLM TP 2) on host
     ``engines[k]``, every one verifying each sync into ``tmp/verify``; the processes and their logs."""
-    env = {**os.environ, "ROLLOUT_SYNC_TOKEN": "across-hosts-test", "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}  # fmt: skip
-    address = f"tcp://{hosts.name_of('a')}:{PORT}"
-    common = ["--model", str(model), "--address", address, "--steps", str(steps)]
-    common += ["--verify-dir", str(tmp / "verify"), "--timeout", timeout]
-    trainer_cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2"]
-    trainer_cmd += ["--master-addr", "127.0.0.1", "--master-port", "29500", str(EXAMPLE / "trainer.py")]
-    trainer_cmd += [*common, "--zero", str(zero), "--engines", str(len(engines)), "--backend", backend]
+    env = {**os.environ, **ENV}
+    common = common_args(hosts, model, tmp, steps, timeout)
     logs = {
         "trainer": tmp / "trainer.log",
         **{f"engine{k}": tmp / f"engine{k}.log" for k in range(len(engines))},
     }
+    trainer_cmd = trainer_command(common, zero=zero, engines=len(engines), backend=backend)
     procs = {"trainer": hosts.run("a", trainer_cmd, env=env, stdout=logs["trainer"].open("wb"), stderr=subprocess.STDOUT, next_pid=next_pid)}  # fmt: skip
     for k, host in enumerate(engines):
-        cmd = [sys.executable, str(EXAMPLE / "rollout.py"), *common, "--trainer-ranks", "2", "--tp", "2"]
-        cmd += ["--engine", str(k), *rollout_extra]
+        cmd = rollout_command(common, k, extra=rollout_extra)
         procs[f"engine{k}"] = hosts.run(host, cmd, env=env, stdout=logs[f"engine{k}"].open("wb"), stderr=subprocess.STDOUT, next_pid=next_pid)  # fmt: skip
     return procs, logs
 
@@ -239,3 +257,90 @@ def test_a_link_cut_mid_sync_leaves_the_engine_s_old_weights_and_the_programs_sy
     assert "error" in rows[1] and rows[1]["weights_kept"] is True, rows[1]
     assert rows[0]["verified"] and rows[2]["verified"] and rows[2]["weight_version"] == "3", rows
     assert [t.get("version") for t in trained] == [1, None, 3] and "error" in trained[1], trained
+
+
+def test_group_free_engines_join_during_training_a_killed_one_is_dropped_by_name_and_rejoins_when_restarted(
+    tiny_model: Any, tmp_path: Path
+):
+    """``--backend nixl``, the trainer (ZeRO-3, 2 ranks, host a) driven step by step (``--gate``), vLLM TP 1
+    engines. Engine 0 (host b) is there from the start. Engine 1 (host c) starts after step 1 and joins
+    through the admission desk: step 2 reaches both. During step 3 (c's link slowed to 1 Mbit/s, its bytes
+    crossing) every process of host c is SIGKILLed: step 3 completes for engine 0 within one trainer
+    timeout and names engine 1 and c's address as dropped. Host c boots again, engine 1 starts again and
+    rejoins: steps 4 and 5 reach both. Nobody else joins a new handshake. Every sync an engine took is
+    verified bit for bit against DeepSpeed's own gathered weights."""
+    model = tiny_model("dense")
+    gate = tmp_path / "gate"
+    gate.mkdir()
+    trainer_timeout = 30.0
+    env = {**os.environ, **ENV}
+    logs = {n: tmp_path / f"{n}.log" for n in ("trainer", "engine0", "engine1", "engine1-again")}
+    procs: dict[str, subprocess.Popen[bytes]] = {}
+    with Hosts(["a", "b", "c"]) as hosts:
+
+        def launch(name: str, host: str, cmd: list[str]) -> None:
+            procs[name] = hosts.run(host, cmd, env=env, stdout=logs[name].open("wb"), stderr=subprocess.STDOUT)  # fmt: skip
+
+        def until(name: str, text: str, within: float, what: str) -> float:
+            started = time.monotonic()
+            while text not in logs[name].read_text(errors="replace"):
+                ended = [n for n, p in procs.items() if p.poll() is not None and n != "engine1"]
+                if ended or time.monotonic() - started > within:
+                    tails = {
+                        n: log.read_text(errors="replace")[-3000:] for n, log in logs.items() if log.exists()
+                    }
+                    raise AssertionError(f"{what}: not seen (ended early: {ended}): {tails}")
+                time.sleep(0.1)
+            return time.monotonic() - started
+
+        # the engines wait for the next step as long as the test takes to start another engine
+        engine_args = common_args(hosts, model, tmp_path, 5, PROGRAM_TIMEOUT_S)
+        trainer_args = common_args(hosts, model, tmp_path, 5, f"{trainer_timeout:g}")
+        try:
+            launch("trainer", "a", [*trainer_command(trainer_args, zero=3, engines=1, backend="nixl"), "--gate", str(gate)])  # fmt: skip
+            launch("engine0", "b", rollout_command(engine_args, 0, tp=1))
+            (gate / "go-1").touch()
+            until("trainer", "[trainer] step 1:", DEADLINE_S, "step 1")
+            launch("engine1", "c", rollout_command(engine_args, 1, tp=1))
+            until("engine1", "joined the trainer's sync group", DEADLINE_S, "engine 1 joining")
+            (gate / "go-2").touch()
+            until("engine1", "received v2", 120, "step 2 on engine 1")
+            hosts.shape("c", rate_bps=10**6)
+            before = hosts.bytes_into("c")
+            (gate / "go-3").touch()
+            deadline = time.monotonic() + 60
+            while hosts.bytes_into("c") - before < 150_000:  # step 3 is crossing c's link (1.1 MB in all)
+                assert time.monotonic() < deadline, "step 3 did not start crossing c's link"
+                time.sleep(0.05)
+            hosts.kill("c")
+            step3_s = until(
+                "trainer", "[trainer] step 3:", trainer_timeout + 30, "step 3 completing without c"
+            )
+            hosts.shape("c")
+            hosts.revive("c")
+            again_args = common_args(hosts, model, tmp_path, 2, PROGRAM_TIMEOUT_S)
+            launch("engine1-again", "c", rollout_command(again_args, 1, tp=1))
+            until("engine1-again", "joined the trainer's sync group", DEADLINE_S, "engine 1 rejoining")
+            (gate / "go-4").touch()
+            (gate / "go-5").touch()
+            for name in ("trainer", "engine0", "engine1-again"):
+                procs[name].wait(DEADLINE_S)
+        finally:
+            for proc in procs.values():
+                Hosts.stop(proc)
+        c_address = hosts.address("c")
+    tails = {n: log.read_text(errors="replace")[-4000:] for n, log in logs.items()}
+    assert all(procs[n].returncode == 0 for n in ("trainer", "engine0", "engine1-again")), tails
+    trained = _last_json(logs["trainer"])["trainer"]
+    assert [t["version"] for t in trained] == [1, 2, 3, 4, 5], trained
+    assert [bool(t["dropped"]) for t in trained] == [False, False, True, False, False], trained
+    assert all("engine 1 worker" in d and c_address in d for d in trained[2]["dropped"]), trained[2]
+    assert step3_s < trainer_timeout + 10, step3_s  # one timeout at most, never a hang
+    first = logs["engine1"].read_text(errors="replace")
+    assert "received v2" in first and "bit for bit: yes" in first and "received v3" not in first, first
+    for name, versions in (("engine0", [1, 2, 3, 4, 5]), ("engine1-again", [4, 5])):
+        rows = _last_json(logs[name])["rollout"]
+        assert [r.get("version") for r in rows] == versions, (name, rows)
+        assert all(r["verified"] and r["weight_version"] == str(r["version"]) for r in rows), (name, rows)
+    for name in ("engine0", "engine1", "engine1-again"):  # each joined once: nobody joined a new handshake
+        assert logs[name].read_text(errors="replace").count("joined the trainer's sync group") == 1, name
