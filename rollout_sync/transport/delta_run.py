@@ -25,7 +25,7 @@ from .p2p import Op, Pending, Transport
 from .program import PartProgram, pack, unpack
 from .targets import Targets
 
-__all__ = ["DeltaCounts", "run_delta"]
+__all__ = ["DeltaCounts", "apply_message", "check_head", "code_message", "run_delta"]
 
 NONE, CODED, WHOLE = 0, 1, 2
 
@@ -78,21 +78,14 @@ def run_delta(
 
     def send(m: Message, parts: tuple[PartProgram, ...]) -> None:
         nonlocal t
+
+        def tick(phase: str) -> None:
+            nonlocal t
+            t = add(phase, t)
+
         buf = slot("send", m)
-        itemsize = message_itemsize(parts)
-        # on CPU, copies whose source holds the wire's bits are compared where they are, not packed
-        runs = None if itemsize is None else message_runs(shadow.of(delta, m), buf, parts, sources)
-        if runs is None:
-            pack(buf, parts, sources)
-        t = add("pack", t)
-        if itemsize is None:
-            mode, nbytes = WHOLE, buf.numel()
-        elif runs is None:
-            mode, nbytes = code_packed(m, parts, itemsize, buf)
-        else:
-            mode, nbytes = code_runs(m, parts, itemsize, buf, runs)
+        mode, nbytes = code_message(delta, shadow, m, parts, sources, buf, counts, tick)
         payload = buf[:nbytes]
-        t = add("code", t)
         head = torch.tensor([mode, payload.numel()], dtype=torch.int64)
         keep.append(head)
         ops = [Op("send", head, m.peer, 2 * m.round + 1, f"delta head {m.round}")]
@@ -103,49 +96,6 @@ def run_delta(
         counts.messages_sent += len(ops)
         t = add("post", t)
 
-    def code_runs(
-        m: Message, parts: tuple[PartProgram, ...], itemsize: int, buf: torch.Tensor, runs: list[Run]
-    ) -> tuple[int, int]:
-        """On CPU: compare the runs (``message_runs``), code what changed into ``buf`` (or pack it whole),
-        update the shadow; the mode and payload bytes."""
-        nonlocal t
-        old = shadow.of(delta, m)
-        elements = m.nbytes // itemsize
-        counts.compared += elements
-        limit = elements // MAX_CHANGED_SHARE
-        changed, changes = find_changes(runs, itemsize, limit, delta.scratch, update=True)  # the shadow too
-        counts.changed += changed
-        t = add("compare", t)
-        if changes is None or max_encoded_bytes(changed, itemsize) > buf.numel():
-            pack(buf, parts, sources)
-            old.copy_(buf)
-            return WHOLE, buf.numel()
-        if changed == 0:
-            return NONE, 0
-        return CODED, encode_changes(changes, itemsize, buf.numpy(), delta.scratch)
-
-    def code_packed(
-        m: Message, parts: tuple[PartProgram, ...], itemsize: int, buf: torch.Tensor
-    ) -> tuple[int, int]:
-        """The same off CPU, in torch: the packed message against the shadow."""
-        nonlocal t
-        bits = bits_dtype(itemsize)
-        new = buf.view(bits)
-        old = shadow.of(delta, m).view(bits)
-        counts.compared += new.numel()
-        changed, positions = changed_positions(new, old, new.numel() // MAX_CHANGED_SHARE)
-        counts.changed += changed
-        t = add("compare", t)
-        if positions is None or max_encoded_bytes(changed, itemsize) > buf.numel():
-            old.copy_(new)
-            return WHOLE, buf.numel()
-        if changed == 0:
-            return NONE, 0
-        values = new.index_select(0, positions)
-        nbytes = encode(new, old, positions, buf, values)
-        old.index_copy_(0, positions, values)
-        return CODED, nbytes
-
     def receive(round_: int) -> None:
         nonlocal t
         entries = program.receives.get(round_, ())
@@ -155,6 +105,7 @@ def run_delta(
             mode, nbytes = (int(v) for v in heads_in.pop((m.peer, m.round)))
             counts.bytes_received[m.peer] = counts.bytes_received.get(m.peer, 0) + 16 + nbytes
             counts.messages_received += 1
+            check_head(m, mode, nbytes, transport.rank)
             if mode == NONE:
                 quiet.update(p.name for p in parts)
                 continue
@@ -162,15 +113,6 @@ def run_delta(
                 touched.update(p.name for p in parts)
             else:  # the parts the changes land in are touched (``apply_changes``)
                 quiet.update(p.name for p in parts)
-            if (
-                mode not in (CODED, WHOLE)
-                or not 0 < nbytes <= m.nbytes
-                or (mode == WHOLE and nbytes != m.nbytes)
-            ):
-                raise WireFormatError(
-                    f"rank {transport.rank}: rank {m.peer} sent a delta head (mode {mode}, {nbytes} bytes) that "
-                    f"does not fit message {m.round} ({m.nbytes} bytes)"
-                )
             buf = slot("recv", m)[:nbytes]
             (pending,) = transport.post([Op("recv", buf, m.peer, 2 * m.round, f"delta round {m.round}")])
             counts.messages_received += 1
@@ -179,23 +121,7 @@ def run_delta(
         for m, parts, mode, buf, pending in posted:
             transport.wait([pending])
             t = add("wait", t)
-            if mode == WHOLE:
-                unpack(buf, parts, targets)
-            else:
-                itemsize = message_itemsize(parts)
-                if itemsize is None:
-                    raise WireFormatError(
-                        f"rank {transport.rank}: rank {m.peer} coded a message of mixed dtypes"
-                    )
-                try:
-                    landing = delta.landing(m, parts, itemsize)
-                    apply_changes(buf, landing, targets, m.nbytes // itemsize, delta.scratch, touched)
-                except ValueError as e:
-                    raise WireFormatError(
-                        f"rank {transport.rank}: message {m.round} from rank {m.peer}: {e}"
-                    ) from e
-                for p in parts:
-                    targets.landed(p.name)
+            apply_message(delta, m, parts, mode, buf, targets, touched, transport.rank)
             t = add("unpack", t)
 
     for r in range(program.schedule.rounds):
@@ -210,3 +136,128 @@ def run_delta(
     add("wait", t)
     counts.quiet = quiet - touched
     return counts
+
+
+def code_message(
+    delta: DeltaProgram,
+    shadow: Shadow,
+    m: Message,
+    parts: tuple[PartProgram, ...],
+    sources: Mapping[str, torch.Tensor],
+    buf: torch.Tensor,
+    counts: DeltaCounts,
+    tick: Callable[[str], None] = lambda phase: None,
+) -> tuple[int, int]:
+    """A sender's message ``m`` of a delta sync: compare it with its shadow, code what changed into ``buf``
+    (the message's size; or pack it whole), update the shadow; the mode and payload bytes (the payload is
+    ``buf[:nbytes]``). ``tick(phase)`` marks the end of "pack", "compare" and "code"."""
+    itemsize = message_itemsize(parts)
+    # on CPU, copies whose source holds the wire's bits are compared where they are, not packed
+    runs = None if itemsize is None else message_runs(shadow.of(delta, m), buf, parts, sources)
+    if runs is None:
+        pack(buf, parts, sources)
+    tick("pack")
+    if itemsize is None:
+        mode, nbytes = WHOLE, buf.numel()
+    elif runs is None:
+        mode, nbytes = _code_packed(delta, shadow, m, itemsize, buf, counts, tick)
+    else:
+        mode, nbytes = _code_runs(delta, shadow, m, parts, sources, itemsize, buf, runs, counts, tick)
+    tick("code")
+    return mode, nbytes
+
+
+def _code_runs(
+    delta: DeltaProgram,
+    shadow: Shadow,
+    m: Message,
+    parts: tuple[PartProgram, ...],
+    sources: Mapping[str, torch.Tensor],
+    itemsize: int,
+    buf: torch.Tensor,
+    runs: list[Run],
+    counts: DeltaCounts,
+    tick: Callable[[str], None],
+) -> tuple[int, int]:
+    """On CPU: compare the runs (``message_runs``), code what changed into ``buf`` (or pack it whole),
+    update the shadow; the mode and payload bytes."""
+    old = shadow.of(delta, m)
+    elements = m.nbytes // itemsize
+    counts.compared += elements
+    limit = elements // MAX_CHANGED_SHARE
+    changed, changes = find_changes(runs, itemsize, limit, delta.scratch, update=True)  # the shadow too
+    counts.changed += changed
+    tick("compare")
+    if changes is None or max_encoded_bytes(changed, itemsize) > buf.numel():
+        pack(buf, parts, sources)
+        old.copy_(buf)
+        return WHOLE, buf.numel()
+    if changed == 0:
+        return NONE, 0
+    return CODED, encode_changes(changes, itemsize, buf.numpy(), delta.scratch)
+
+
+def _code_packed(
+    delta: DeltaProgram,
+    shadow: Shadow,
+    m: Message,
+    itemsize: int,
+    buf: torch.Tensor,
+    counts: DeltaCounts,
+    tick: Callable[[str], None],
+) -> tuple[int, int]:
+    """The same off CPU, in torch: the packed message against the shadow."""
+    bits = bits_dtype(itemsize)
+    new = buf.view(bits)
+    old = shadow.of(delta, m).view(bits)
+    counts.compared += new.numel()
+    changed, positions = changed_positions(new, old, new.numel() // MAX_CHANGED_SHARE)
+    counts.changed += changed
+    tick("compare")
+    if positions is None or max_encoded_bytes(changed, itemsize) > buf.numel():
+        old.copy_(new)
+        return WHOLE, buf.numel()
+    if changed == 0:
+        return NONE, 0
+    values = new.index_select(0, positions)
+    nbytes = encode(new, old, positions, buf, values)
+    old.index_copy_(0, positions, values)
+    return CODED, nbytes
+
+
+def check_head(m: Message, mode: int, nbytes: int, rank: int) -> None:
+    """A receiver's check of a delta head for message ``m`` (mode and payload bytes) before it reads on."""
+    if mode == NONE and nbytes == 0:
+        return
+    if mode not in (CODED, WHOLE) or not 0 < nbytes <= m.nbytes or (mode == WHOLE and nbytes != m.nbytes):
+        raise WireFormatError(
+            f"rank {rank}: rank {m.peer} sent a delta head (mode {mode}, {nbytes} bytes) that does not fit "
+            f"message {m.round} ({m.nbytes} bytes)"
+        )
+
+
+def apply_message(
+    delta: DeltaProgram,
+    m: Message,
+    parts: tuple[PartProgram, ...],
+    mode: int,
+    payload: torch.Tensor,
+    targets: Targets,
+    touched: set[str],
+    rank: int,
+) -> None:
+    """A receiver's message ``m`` of a delta sync, its head checked (``check_head``): unpack it whole, or
+    write its coded changes (adding the targets they land in to ``touched``)."""
+    if mode == WHOLE:
+        unpack(payload, parts, targets)
+        return
+    itemsize = message_itemsize(parts)
+    if itemsize is None:
+        raise WireFormatError(f"rank {rank}: rank {m.peer} coded a message of mixed dtypes")
+    try:
+        landing = delta.landing(m, parts, itemsize)
+        apply_changes(payload, landing, targets, m.nbytes // itemsize, delta.scratch, touched)
+    except ValueError as e:
+        raise WireFormatError(f"rank {rank}: message {m.round} from rank {m.peer}: {e}") from e
+    for p in parts:
+        targets.landed(p.name)
