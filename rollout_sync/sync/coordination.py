@@ -112,10 +112,8 @@ def check_reachable(roster: Sequence[RosterEntry], peers: Sequence[PeerInfo], ad
 def check_group_free(roster: Sequence[RosterEntry], peers: Sequence[PeerInfo], delta: bool) -> dict[str, Any]:
     """What the workers of a group-free sync (backend ``nixl``) are told of each trainer rank (its agent's
     metadata, the addresses of its storages and of its state), by global rank; refuses (``HandshakeError``,
-    before any byte moves) what it cannot do yet: delta syncs, two ranks in one process, a trainer rank
-    without a NIXL agent."""
-    if delta:
-        raise HandshakeError("delta syncs over the 'nixl' backend are not supported yet: use backend 'gloo'")
+    before any byte moves) what it cannot do: two ranks in one process, a trainer rank without a NIXL agent,
+    delta syncs with a trainer rank that has no export to code them into."""
     places: dict[tuple[str, int], RosterEntry] = {}
     for e in roster:
         if e.machine and (e.machine, e.pid) in places:
@@ -133,6 +131,11 @@ def check_group_free(roster: Sequence[RosterEntry], peers: Sequence[PeerInfo], d
         if not isinstance(info, dict) or not info.get("metadata"):
             raise HandshakeError(
                 f"{e.role} on {e.host} did not start a NIXL agent, and the backend is 'nixl'"
+            )
+        if delta and "export" not in info:
+            raise HandshakeError(
+                f"{e.role} on {e.host} has no delta export, and delta syncs were asked for: attach every "
+                "trainer rank with delta=True"
             )
         out[str(e.rank)] = info
     return out

@@ -174,7 +174,7 @@ class Endpoint:
             "world_size": int(f["world_size"]),
             "trainer_ranks": int(f["trainer_ranks"]),
             "half": half,
-            "options": options or ExecuteOptions(timeout=timeout),
+            "options": replace(options or ExecuteOptions(timeout=timeout), delta=bool(f.get("delta", False))),
             "roster": decode_roster(f.get("roster")),
         }
         try:

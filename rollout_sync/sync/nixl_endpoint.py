@@ -38,6 +38,7 @@ from ..transport import ExecuteOptions
 from ..transport.half_check import check_half
 from ..transport.local_check import check_storages
 from ..transport.nixl_agent import NixlAgent, ucx_environment
+from ..transport.nixl_delta import export_buffer
 from ..transport.targets import TargetStream
 from .roster import RosterEntry
 
@@ -50,6 +51,9 @@ HEADER = 3  # int64: sequence number (written last), version, phase
 REASON_BYTES = 1024
 STATE_BYTES = HEADER * 8 + 8 + REASON_BYTES  # + the reason's length
 POLL_S = 0.002
+DELTA_MESSAGE_BYTES = 1 << 20
+"""The messages of a delta sync without a group: what is coded, or sent whole, at once (a trainer rank's; its
+workers take it from its hello)."""
 
 
 def worker_agent(group_id: str, rank: int) -> str:
@@ -86,21 +90,33 @@ class NixlSource:
     """A trainer rank's side of a group-free sync, made before its hello: its agent, its registered source
     storages and its state. ``fields`` go into the hello."""
 
-    def __init__(self, sources: Mapping[str, torch.Tensor], bind: str) -> None:
+    def __init__(self, sources: Mapping[str, torch.Tensor], bind: str, *, export_bytes: int = 0) -> None:
         ucx_environment(bind)
         self.agent = NixlAgent(f"rollout-sync-trainer-{secrets.token_hex(6)}")
         self.state = _State()
         self.sources = dict(sources)
-        self.agent.register([*sources.values(), self.state.buffer])
+        # delta syncs: what changed is coded into this export for the workers to read (transport.nixl_delta)
+        self.export = export_buffer(export_bytes) if export_bytes else None
+        self.message_bytes = DELTA_MESSAGE_BYTES
+        extra = [] if self.export is None else [self.export]
+        self.agent.register([*sources.values(), self.state.buffer, *extra])
         self.bases = {name: int(t.data_ptr()) for name, t in sources.items()}
 
     def fields(self) -> dict[str, Any]:
+        export = {}
+        if self.export is not None:
+            export = {
+                "export": int(self.export.data_ptr()),
+                "export_bytes": int(self.export.numel()),
+                "message_bytes": self.message_bytes,
+            }
         return {
             "nixl": {
                 "agent": self.agent.name,
                 "metadata": self.agent.metadata().hex(),
                 "bases": self.bases,
                 "state": int(self.state.buffer.data_ptr()),
+                **export,
             }
         }
 
@@ -129,9 +145,11 @@ class GroupFreeEndpoint:
         self.roster = dict(roster)
         self.closed = False
         self.seq = 0
+        self.delta_base: int | None = None  # a worker: the version its targets hold, from its last sync
 
     def forget_base(self) -> None:
-        """Group-free syncs are full syncs: nothing to forget."""
+        """Something other than a sync wrote this rank's storages: the next sync is a full one."""
+        self.delta_base = None
 
     def _who(self, rank: int) -> str:
         e = self.roster.get(rank)

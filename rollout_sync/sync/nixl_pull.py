@@ -14,10 +14,12 @@ import torch
 from ..errors import PeerFailedError, PlanMismatchError, RolloutSyncError, SyncTimeoutError
 from ..layout.dtypes import itemsize
 from ..transport import SyncStats
+from ..transport.delta import DeltaProgram
 from ..transport.nixl_agent import NixlAgent, Reading, ucx_environment
+from ..transport.nixl_delta import TABLE_BYTES, apply_region, delta_program, read_table
 from ..transport.nixl_reads import ReadPlan, read_plan
 from ..transport.program import torch_dtype, view
-from ..transport.targets import TargetStream
+from ..transport.targets import Targets, TargetStream
 from .nixl_endpoint import (
     POLL_S,
     READY,
@@ -79,6 +81,20 @@ class PullEndpoint(GroupFreeEndpoint):
             }
             self.agent.notify(peer, b"join " + json.dumps(join).encode())
         self._plan: tuple[Any, ReadPlan] | None = None
+        # delta syncs: each trainer rank's export (transport.nixl_delta), where it codes what changed
+        self.exports: dict[int, tuple[int, int]] = {}
+        self.delta: DeltaProgram | None = None
+        sizes = set()
+        for rank in self.peers:
+            info = sources.get(rank) if str(rank) not in sources else sources[str(rank)]  # type: ignore[index]
+            if info is not None and "export" in info:
+                self.exports[rank] = (int(info["export"]), int(info["export_bytes"]))
+                sizes.add(int(info["message_bytes"]))
+        if self.options.delta and self.peers and len(self.exports) == len(self.peers) and len(sizes) == 1:
+            self.delta = delta_program(self.half, sizes.pop())
+            self.tables = torch.zeros(TABLE_BYTES * len(self.peers), dtype=torch.uint8)
+            self.regions = torch.empty(0, dtype=torch.uint8)
+            self.agent.register([self.tables])
 
     def _read_plan(self, in_place: frozenset[str]) -> ReadPlan:
         key = (self.half.digest, in_place, self.options.staging_cap_bytes)
@@ -190,8 +206,10 @@ class PullEndpoint(GroupFreeEndpoint):
             for rank, seq in seqs.items():
                 self.last_seq[rank] = seq
             raise PlanMismatchError(reason)
+        base, self.delta_base = self.delta_base, None  # given back only by this sync's success
         try:
-            received = self._read(targets, stream, deadline)
+            applied = self._read_delta(seqs, base, targets, stream, deadline)
+            received = self._read(targets, stream, deadline) if applied is None else applied[0]
             self._still_ready(seqs, got, deadline)
         except (RolloutSyncError, RuntimeError) as exc:
             self._tell(seqs, b"fail", f"{type(exc).__name__}: {exc}")
@@ -199,7 +217,10 @@ class PullEndpoint(GroupFreeEndpoint):
             raise
         for rank, seq in seqs.items():
             self.last_seq[rank] = seq
-        self._tell(seqs, b"done", "")
+            with contextlib.suppress(PeerFailedError):  # with what it read from that trainer rank
+                self.agent.notify(self.peers[rank], b"done %d %d" % (seq, received.get(rank, 0)))
+        if self.delta is not None:
+            self.delta_base = got
         plan = self._plan[1] if self._plan else None
         stats = SyncStats(
             self.rank,
@@ -212,8 +233,73 @@ class PullEndpoint(GroupFreeEndpoint):
             plan.staging_bytes if plan else 0,
             self.options.staging_cap_bytes,
             seconds={"total": time.perf_counter() - start},
+            delta_base=None if applied is None else base,
+            unchanged_targets=frozenset() if applied is None else frozenset(applied[1]),
         )
         return SyncResult(got, stats, time.perf_counter() - start)
+
+    def _read_delta(
+        self,
+        seqs: Mapping[int, int],
+        base: int | None,
+        targets: Mapping[str, torch.Tensor],
+        stream: TargetStream | None,
+        deadline: float,
+    ) -> tuple[dict[int, int], set[str]] | None:
+        """A delta sync: when every trainer rank coded this sync for this worker against ``base`` (the version
+        its targets hold), read each one's region and apply it; the bytes read per trainer rank and the
+        targets that came with no change. None: read the whole half instead (``_read``)."""
+        if self.delta is None or base is None or any(t.is_meta for t in targets.values()):
+            return None
+        order = sorted(self.peers)
+        at = self.tables.data_ptr()
+        readings = [
+            self.agent.read(
+                self.peers[rank],
+                [(at + i * TABLE_BYTES, TABLE_BYTES, 0)],
+                [(self.exports[rank][0], TABLE_BYTES, 0)],
+            )
+            for i, rank in enumerate(order)
+        ]
+        self.agent.wait(readings, deadline, f"rank {self.rank}: reading the trainer ranks' delta tables")
+        rows = {}
+        for i, rank in enumerate(order):
+            row = read_table(self.tables[i * TABLE_BYTES : (i + 1) * TABLE_BYTES]).get(self.rank)
+            if row is None or row.seq != seqs[rank] or row.base != base:
+                return None
+            if row.offset < TABLE_BYTES or row.offset + row.nbytes > self.exports[rank][1]:
+                raise PeerFailedError(
+                    f"rank {self.rank}: {self._who(rank)} named a delta region ({row.offset}, {row.nbytes} bytes) "
+                    f"outside its export of {self.exports[rank][1]} bytes"
+                )
+            rows[rank] = row
+        total = sum(r.nbytes for r in rows.values())
+        if self.regions.numel() < total:
+            self.regions = torch.empty(total, dtype=torch.uint8)
+            self.agent.register([self.regions])
+        spans: dict[int, torch.Tensor] = {}
+        readings = []
+        offset = 0
+        for rank in order:
+            row = rows[rank]
+            spans[rank] = self.regions[offset : offset + row.nbytes]
+            if row.nbytes:
+                local = [(self.regions.data_ptr() + offset, row.nbytes, 0)]
+                readings.append(
+                    self.agent.read(
+                        self.peers[rank], local, [(self.exports[rank][0] + row.offset, row.nbytes, 0)]
+                    )
+                )
+            offset += row.nbytes
+        self.agent.wait(readings, deadline, f"rank {self.rank}: reading the trainer ranks' delta regions")
+        sink = Targets(targets, stream, self.half, self.delta.program)
+        quiet: set[str] = set()
+        touched: set[str] = set()
+        for rank in order:
+            q, t = apply_region(self.delta, rank, spans[rank], sink, self.rank)
+            quiet |= q
+            touched |= t
+        return {rank: rows[rank].nbytes for rank in order}, quiet - touched
 
     def _read(
         self, targets: Mapping[str, torch.Tensor], stream: TargetStream | None, deadline: float

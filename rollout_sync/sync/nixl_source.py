@@ -14,6 +14,7 @@ import torch
 from ..errors import PeerFailedError, PlanMismatchError
 from ..layout.dtypes import itemsize
 from ..transport import SyncStats
+from ..transport.nixl_delta import DeltaExport
 from ..transport.targets import TargetStream
 from .nixl_endpoint import CLOSED, POLL_S, READY, REFUSED, GroupFreeEndpoint, NixlSource, worker_agent
 
@@ -58,6 +59,9 @@ class SourceEndpoint(GroupFreeEndpoint):
                 self._who(rank), nbytes,
             )  # fmt: skip
         self.dropped_total: list[str] = []
+        self.export: DeltaExport | None = None
+        if self.options.delta and source.export is not None:
+            self.export = DeltaExport(self.half, source.message_bytes, source.export)
 
     def _join(self, agent: str, note: str) -> None:
         try:
@@ -117,9 +121,13 @@ class SourceEndpoint(GroupFreeEndpoint):
             raise PlanMismatchError(f"rank {self.rank} refused the sync: {reason}")
         self._notes()  # the sync boundary: workers that joined since the last sync are readers of this one
         readers = dict(self.readers)
+        coded = None
+        if self.export is not None:  # what changed, per reader, into the export (before anyone reads it)
+            coded = self.export.code(sources, {r.rank for r in readers.values()}, self.seq, version)
         state.write(self.seq, version, READY)
         waiting = set(readers)
         dropped: dict[str, str] = {}
+        read: dict[str, int] = {}
         deadline = time.monotonic() + self.options.timeout
         try:
             while waiting:
@@ -127,6 +135,8 @@ class SourceEndpoint(GroupFreeEndpoint):
                     if agent not in waiting or seq != self.seq:
                         continue  # a late note of an earlier sync, or a worker that joined during this one
                     waiting.discard(agent)
+                    if kind == "done" and text.strip().isdigit():
+                        read[agent] = int(text)  # what it read from this rank: a delta region or its half
                     if kind == "fail":
                         dropped[agent] = f"{readers[agent].label} failed: {text}"
                     elif kind == "refuse":
@@ -158,7 +168,7 @@ class SourceEndpoint(GroupFreeEndpoint):
                 raise PeerFailedError(
                     f"rank {self.rank}: sync {version} reached no worker: " + "; ".join(names)
                 )
-        sent = {r.rank: r.nbytes for a, r in readers.items() if a not in dropped}
+        sent = {r.rank: read.get(a, r.nbytes) for a, r in readers.items() if a not in dropped}
         stats = SyncStats(
             self.rank,
             sent,
@@ -170,6 +180,9 @@ class SourceEndpoint(GroupFreeEndpoint):
             0,
             self.options.staging_cap_bytes,
             seconds={"total": time.perf_counter() - start},
+            elements_compared=0 if coded is None else coded.compared,
+            elements_changed=0 if coded is None else coded.changed,
+            delta_state_bytes=0 if self.export is None else self.export.shadow.nbytes,
         )
         return SyncResult(version, stats, time.perf_counter() - start, names)
 

@@ -174,7 +174,9 @@ class TrainerSync:
         options = ExecuteOptions(staging_cap_bytes=staging_cap_bytes, timeout=timeout)
         nixl_source = None
         if backend == "nixl":  # group-free: workers read this rank's registered storages (sync.nixl_endpoint)
-            nixl_source = NixlSource(sources, route_source(host, port))
+            # delta: what changed is coded into an export of at most the staging cap (else a full sync)
+            export = staging_cap_bytes if delta else 0
+            nixl_source = NixlSource(sources, route_source(host, port), export_bytes=export)
         try:
             endpoint = Endpoint.join(
                 address,

@@ -30,7 +30,7 @@ import torch
 from rollout_sync.shapes import model_tensors
 from rollout_sync.shapes.sides import trainer_maps, vllm_target_maps
 from testbed.expected_storage import extract, local_part
-from tests.harness.session_model import CONFIG, TRAINERS, WORKERS, full_tensors
+from tests.harness.session_model import CONFIG, TRAINERS, WORKERS, full_tensors, stepped_tensors
 
 TOKEN = "hosts-session-test"
 
@@ -43,6 +43,7 @@ def moved(stats) -> dict[str, int]:
         "mapped": sum(stats.bytes_mapped.values()),
         "pulled": sum(stats.bytes_pulled.values()),
         "handed": sum(stats.bytes_handed.values()),
+        "delta_base": stats.delta_base,
     }
 
 
@@ -137,11 +138,22 @@ def main() -> int:
         "--stream", action="store_true", help="worker: targets made while written (as vLLM's loaded forms)"
     )
     ap.add_argument("--cap", type=int, default=None, help="worker: its staging cap, bytes")
+    ap.add_argument(
+        "--delta",
+        type=float,
+        default=0.0,
+        help="every rank: each version changes this share of the elements (session_model.stepped_tensors); "
+        "the trainer asks for delta syncs",
+    )
     args = ap.parse_args()
     torch.set_num_threads(1)
     model = model_tensors(CONFIG)
     sources = trainer_maps(model, 3, TRAINERS)
     syncs = [int(v) for v in args.syncs.split(",")]
+
+    def values(version: int) -> dict[str, torch.Tensor]:
+        return stepped_tensors(version, args.delta) if args.delta else full_tensors(version)
+
     control = Path(args.control) if args.control else None
     me = {"role": args.role, "rank": args.rank, "host": socket.gethostname(), "pid": os.getpid()}
 
@@ -169,11 +181,11 @@ def main() -> int:
                     side.detach()
                 side = TrainerSync.connect(
                     sources, views, rank=args.rank, world_size=TRAINERS, address=args.address, engines=engines,
-                    token=TOKEN, timeout=args.timeout, backend=args.backend,
+                    token=TOKEN, timeout=args.timeout, backend=args.backend, delta=bool(args.delta),
                 )  # fmt: skip
                 joined = engines
                 report(attached=version)
-            full = full_tensors(version)
+            full = values(version)
             for m in sources:
                 if args.rank in m.ranks:
                     side.sources[m.name].copy_(extract(full[m.name], m, args.rank))
@@ -225,7 +237,7 @@ def main() -> int:
                     status=link.status(), unchanged=kept,
                 )  # fmt: skip
                 continue
-            full = full_tensors(result.version)
+            full = values(result.version)
             wrong = [
                 m.name
                 for m in targets

@@ -43,6 +43,29 @@ def test_workers_on_another_host_with_the_same_hostname_and_pids_read_every_elem
     assert crossed >= read, (crossed, read)
 
 
+def test_delta_syncs_read_only_what_changed_from_each_trainer_rank_s_export_bit_for_bit():
+    """Delta syncs over NIXL (``transport.nixl_delta``), trainer ranks on host a, a TP-2 engine on host b:
+    sync 1 is full (no base yet); in syncs 2 to 4 about 1% of every tensor's elements changed, and each
+    worker reads only its coded region of each trainer rank's export, applies it on the version it holds,
+    and every element equals the trainer's bit for bit."""
+    with Hosts(["a", "b"]) as hosts:
+        delta = ("--syncs", "1,2,3,4", "--delta", "0.01")
+        ranks = [*session.trainers("a", *NIXL, *delta), *session.engine(0, "b", *delta)]
+        session.start(hosts, ranks, f"tcp://{hosts.address('a')}:{session.PORT}")
+        session.finish(ranks)
+    for r in ranks[2:]:
+        lines = session.syncs(r)
+        assert sorted(lines) == [1, 2, 3, 4] and all(line["wrong"] == [] for line in lines.values()), r.lines
+        assert lines[1]["delta_base"] is None, lines[1]
+        for v in (2, 3, 4):
+            assert lines[v]["delta_base"] == v - 1, lines[v]
+            assert 0 < lines[v]["received"] < 0.1 * lines[1]["received"], (lines[1], lines[v])
+    for r in ranks[:2]:
+        lines = session.syncs(r)
+        assert all("error" not in line and line["dropped"] == [] for line in lines.values()), r.lines
+        assert all(lines[v]["sent"] < 0.1 * lines[1]["sent"] for v in (2, 3, 4)), r.lines
+
+
 def test_targets_made_while_written_as_vllm_s_loaded_forms_are_made_once_filled_and_closed_once_per_sync():
     """Workers whose targets are placeholders that a stream makes at their first part and closes after their
     last (what vLLM's packed layers do on AVX-512 and AMX CPUs): every target made once per sync, staged

@@ -1,5 +1,6 @@
-"""What the coordinator refuses for a group-free sync (backend ``nixl``), before anything moves: delta syncs,
-two ranks in one process, a trainer rank that started no NIXL agent; and what it tells the workers."""
+"""What the coordinator refuses for a group-free sync (backend ``nixl``), before anything moves: delta syncs
+with a trainer rank that has no export, two ranks in one process, a trainer rank that started no NIXL agent;
+and what it tells the workers."""
 
 from __future__ import annotations
 
@@ -31,11 +32,14 @@ def test_the_workers_are_told_each_trainer_rank_s_agent_by_global_rank():
     assert check_group_free(roster, peers, delta=False) == {"0": _agent(0), "1": _agent(1)}
 
 
-def test_delta_syncs_two_ranks_in_one_process_and_a_trainer_rank_without_an_agent_are_refused():
+def test_delta_without_an_export_two_ranks_in_one_process_and_a_trainer_rank_without_an_agent_are_refused():
     peers = [_peer(TRAINER, 0, 10, nixl=_agent(0)), _peer(ROLLOUT, 0, 20)]
     roster = [entry_of(p, r) for r, p in enumerate(peers)]
-    with pytest.raises(HandshakeError, match="delta syncs over the 'nixl' backend"):
+    with pytest.raises(HandshakeError, match="trainer rank 0 on h has no delta export"):
         check_group_free(roster, peers, delta=True)
+    exporting = {**_agent(0), "export": 1 << 20, "export_bytes": 4096, "message_bytes": 1024}
+    peers = [_peer(TRAINER, 0, 10, nixl=exporting), _peer(ROLLOUT, 0, 20)]
+    assert check_group_free(roster, peers, delta=True) == {"0": exporting}
     shared = [_peer(TRAINER, 0, 10, nixl=_agent(0)), _peer(ROLLOUT, 0, 10)]
     with pytest.raises(HandshakeError, match="run in one process"):
         check_group_free([entry_of(p, r) for r, p in enumerate(shared)], shared, delta=False)
