@@ -23,7 +23,9 @@ trainer's weights are negated in place (every byte new):
   optimizer steps of that fraction; delta syncs, or full ones above ``delta_full_above``);
 - ``pull`` (``ours_pull_s``): the same syncs after a handshake with ``backend="nixl"``: no process group;
   each vLLM worker reads its half straight from the trainer ranks' registered ZeRO-3 partitions through NIXL
-  (UCX over TCP on the link). ``ours_pull_delta_rows`` stays empty: delta syncs are not read over NIXL yet;
+  (UCX over TCP on the link); with ``delta`` too, ``ours_pull_delta_rows``: the delta rows again after a
+  handshake with ``backend="nixl"`` and ``delta=True`` (each worker reads only what each trainer rank coded for
+  it into its export, ``transport.nixl_delta``);
 - ``baseline`` (OpenRLHF style): a gloo group of trainer rank 0 and every vLLM worker, its store on host a;
   per parameter ``GatheredParameters`` on every trainer rank, rank 0 broadcasts the full tensor across the
   link to every worker, each calls ``model.load_weights`` (inside vLLM's layerwise reload where vLLM packs
@@ -275,6 +277,18 @@ def run(args: argparse.Namespace, model: Path) -> list[dict[str, Any]]:
                             "zero3", ours_once, args.warmup, args.syncs, llm, on_a, workdir, model
                         ),  # type: ignore[arg-type]
                     )
+                pull_deltas: dict[float, dict[str, Any]] = {}
+                if "delta" in args.methods and "pull" in args.methods:
+                    on_a.call(detach)
+                    handshake(delta=True, backend="nixl")
+                    pull_deltas = per_rate(
+                        hosts,
+                        rates,
+                        "pull delta",
+                        lambda rate: _measure_delta(
+                            "zero3-pull", ours_once, args.warmup, args.syncs, llm, on_a, workdir, model
+                        ),  # type: ignore[arg-type]
+                    )
                 on_a.call(detach)
                 baseline: dict[float, dict[str, Any]] = {}
                 if "baseline" in args.methods:
@@ -334,9 +348,7 @@ def run(args: argparse.Namespace, model: Path) -> list[dict[str, Any]]:
             row["pull_bytes_across"] = p["across"]
             row["ours_pull_over_link_bound"] = round(row["ours_pull_s"] / row["link_bound_s"], 3)
             row["pull_bitwise_equal"] = p["equal"]
-            row[
-                "ours_pull_delta_rows"
-            ] = []  # delta syncs are not read over NIXL yet (refused at the handshake)
+            row["ours_pull_delta_rows"] = pull_deltas.get(rate, {}).get("delta_rows", [])
         row["speedup"] = round(row["baseline_s"] / ours_s, 3) if b else None
         row["ours_over_link_bound"] = round(ours_s / row["link_bound_s"], 3)
         row["modeled_over_ours"] = round(modeled / ours_s, 3)

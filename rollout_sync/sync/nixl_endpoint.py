@@ -21,6 +21,12 @@ On a worker (``PullEndpoint.run``): checks its targets, reads each source traine
 reason), then reads its segments (``transport.nixl_reads``: in place, else staged within the staging cap),
 then notifies ``done n`` to each source. A failure after ``READY`` notifies ``fail n reason``, so no trainer
 rank waits for the timeout. The worker claims the version only once all of its reads have landed.
+
+**Delta syncs** (``delta=True`` at attach): each trainer rank also registers an export (of at most the staging
+cap) and, in step 2 before it writes ``READY``, codes for each worker what changed since the version that worker
+holds (``transport.nixl_delta``). A worker whose base every trainer rank coded against reads each one's table,
+then only its region, and applies it; any other worker reads its whole half as above. Its ``done`` note says
+how many bytes it read and which way (``done n BYTES delta|full``).
 """
 
 from __future__ import annotations

@@ -218,7 +218,8 @@ class PullEndpoint(GroupFreeEndpoint):
         for rank, seq in seqs.items():
             self.last_seq[rank] = seq
             with contextlib.suppress(PeerFailedError):  # with what it read from that trainer rank
-                self.agent.notify(self.peers[rank], b"done %d %d" % (seq, received.get(rank, 0)))
+                how = b"full" if applied is None else b"delta"
+                self.agent.notify(self.peers[rank], b"done %d %d %s" % (seq, received.get(rank, 0), how))
         if self.delta is not None:
             self.delta_base = got
         plan = self._plan[1] if self._plan else None

@@ -60,8 +60,11 @@ class SourceEndpoint(GroupFreeEndpoint):
             )  # fmt: skip
         self.dropped_total: list[str] = []
         self.export: DeltaExport | None = None
+        self.last_version: int | None = None
         if self.options.delta and source.export is not None:
-            self.export = DeltaExport(self.half, source.message_bytes, source.export)
+            self.export = DeltaExport(
+                self.half, source.message_bytes, source.export, self.options.delta_full_above
+            )
 
     def _join(self, agent: str, note: str) -> None:
         try:
@@ -128,6 +131,7 @@ class SourceEndpoint(GroupFreeEndpoint):
         waiting = set(readers)
         dropped: dict[str, str] = {}
         read: dict[str, int] = {}
+        deltas = 0  # readers that applied a delta on the last sync's version
         deadline = time.monotonic() + self.options.timeout
         try:
             while waiting:
@@ -135,8 +139,10 @@ class SourceEndpoint(GroupFreeEndpoint):
                     if agent not in waiting or seq != self.seq:
                         continue  # a late note of an earlier sync, or a worker that joined during this one
                     waiting.discard(agent)
-                    if kind == "done" and text.strip().isdigit():
-                        read[agent] = int(text)  # what it read from this rank: a delta region or its half
+                    nbytes, _, how = text.partition(" ")
+                    if kind == "done" and nbytes.isdigit():
+                        read[agent] = int(nbytes)  # what it read from this rank: a delta region or its half
+                        deltas += how == "delta"
                     if kind == "fail":
                         dropped[agent] = f"{readers[agent].label} failed: {text}"
                     elif kind == "refuse":
@@ -183,7 +189,10 @@ class SourceEndpoint(GroupFreeEndpoint):
             elements_compared=0 if coded is None else coded.compared,
             elements_changed=0 if coded is None else coded.changed,
             delta_state_bytes=0 if self.export is None else self.export.shadow.nbytes,
+            delta_base=self.last_version if sent and deltas == len(sent) else None,
+            estimated_changed_share=None if self.export is None else self.export.share,
         )
+        self.last_version = version
         return SyncResult(version, stats, time.perf_counter() - start, names)
 
     def close(self) -> None:

@@ -11,7 +11,9 @@ same order: both come from one plan.
 byte offset, bytes; rank -1: an empty row), then the regions. Reader *r*'s region: one head per message (mode
 and payload bytes, two int64 each), in program order, then the payloads end to end, each at a multiple of 8.
 
-**Per sync**, before it says READY, a trainer rank codes, for each reader it has messages for, every message
+**Per sync**, before it says READY, a trainer rank first compares a sample of its sources with the last sync's
+(``delta_shadow``): where more than ``ExecuteOptions.delta_full_above`` changed, no reader gets a row and the
+shadows are left as they are (the next sync is full too). Otherwise it codes, for each reader it has messages for, every message
 against its shadow (``delta_run.code_message``: the shadow then holds this sync's values) into the reader's
 region. The row's base is the version the shadow held for that reader before; a reader new to the trainer
 rank (its first sync, or one that joined later through the admission desk: its messages are not in the
@@ -34,7 +36,7 @@ from ..errors import WireFormatError
 from ..planning.half import PlanHalf
 from .delta import DeltaProgram, layout_key
 from .delta_run import NONE, WHOLE, DeltaCounts, apply_message, check_head, code_message
-from .delta_shadow import Shadow
+from .delta_shadow import Shadow, changed_share, take_sample
 from .messages import Message
 from .program import PartProgram, compile_program, pack
 from .schedule import build_schedule, peers_of
@@ -105,7 +107,15 @@ def export_buffer(capacity: int) -> torch.Tensor:
 class DeltaExport:
     """A trainer rank's side: its program, shadow and export buffer (``export_buffer``, registered)."""
 
-    def __init__(self, half: PlanHalf, message_bytes: int, buffer: torch.Tensor) -> None:
+    def __init__(
+        self, half: PlanHalf, message_bytes: int, buffer: torch.Tensor, full_above: float = 1 / 32
+    ) -> None:
+        self.half = half
+        self.full_above = full_above
+        self.sample: dict[str, torch.Tensor] | None = (
+            None  # of the sources at the last sync (``delta_shadow``)
+        )
+        self.share: float | None = None  # this sync's estimate of the changed share
         self.delta = delta_program(half, message_bytes)
         self.messages = _by_peer(self.delta.program.sends)
         self.shadow = Shadow(self.delta, torch.device("cpu"))
@@ -122,6 +132,13 @@ class DeltaExport:
         """Code this sync for ``readers`` (ranks) into the export (see the module docstring)."""
         counts = DeltaCounts()
         self.table[:, 0] = -1
+        self.share = None if self.sample is None else changed_share(self.sample, self.half, sources)
+        self.sample = take_sample(self.half, sources)
+        if self.share is not None and self.share > self.full_above:
+            # most of it changed: every reader reads its whole half, and neither coding nor refilling the
+            # shadows pays (the next sync is full too, and refills them if its sample says a delta will pay)
+            self.versions.clear()
+            return counts
         at, row = TABLE_BYTES, 0
         end = self.buffer.numel()
         for peer, msgs in self.messages.items():

@@ -102,23 +102,41 @@ def test_a_delta_sync_lands_bit_for_bit_and_reads_a_small_share_of_a_full_sync()
     assert all(n is not None and n < 2048 for n in same.values()), same
 
 
-def test_an_export_too_small_or_a_reader_away_means_a_full_pull_and_the_next_sync_is_a_delta_again():
-    rig = Rig(capacity=64 << 10)
+def test_most_of_it_changed_means_full_pulls_until_a_sync_refills_the_shadows_then_deltas_again():
+    rig = Rig(capacity=1 << 20)
     full = full_tensors(3)
     everyone = set(WORKER_RANKS)
     rig.sync(full, 1, everyone)
-    full = step_tensors(full, 0.5, 2)  # half of everything changed: it does not fit 64 KiB
+    full = step_tensors(full, 0.5, 2)  # the sample says half changed: no coding, no refill
     assert rig.sync(full, 2, everyone) == {w: None for w in WORKER_RANKS}
-    rig.check(everyone)
-    full = step_tensors(full, 0.01, 3)
-    assert all(n is not None for n in rig.sync(full, 3, everyone).values())
-    rig.check(everyone)
-    away = WORKER_RANKS[1]
+    assert all(e.share is not None and e.share > 0.3 for e in rig.exports.values())
+    full = step_tensors(full, 0.01, 3)  # worth a delta again: this sync refills the shadows (a full pull)
+    assert rig.sync(full, 3, everyone) == {w: None for w in WORKER_RANKS}
     full = step_tensors(full, 0.01, 4)
-    rig.sync(full, 4, everyone - {away})
-    full = step_tensors(full, 0.01, 5)
-    back = rig.sync(full, 5, everyone)  # the reader that was away has no base at the trainer ranks
+    assert all(n is not None for n in rig.sync(full, 4, everyone).values())
+    rig.check(everyone)
+
+
+def test_an_export_too_small_or_a_reader_away_means_a_full_pull_for_it_bit_for_bit():
+    small = Rig(capacity=256)  # not even the heads fit
+    full = full_tensors(4)
+    everyone = set(WORKER_RANKS)
+    small.sync(full, 1, everyone)
+    for seq in (2, 3):
+        full = step_tensors(full, 0.01, seq)
+        assert small.sync(full, seq, everyone) == {w: None for w in WORKER_RANKS}
+        small.check(everyone)
+    rig = Rig(capacity=1 << 20)
+    rig.sync(full, 1, everyone)
+    away = WORKER_RANKS[1]
+    full = step_tensors(full, 0.01, 2)
+    rig.sync(full, 2, everyone - {away})
+    full = step_tensors(full, 0.01, 3)
+    back = rig.sync(full, 3, everyone)  # the reader that was away has no base at the trainer ranks
     assert back[away] is None and back[WORKER_RANKS[0]] is not None, back
+    rig.check(everyone)
+    full = step_tensors(full, 0.01, 4)
+    assert all(n is not None for n in rig.sync(full, 4, everyone).values())
     rig.check(everyone)
 
 
