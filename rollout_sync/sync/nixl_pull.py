@@ -293,7 +293,9 @@ class PullEndpoint(GroupFreeEndpoint):
                 )
             offset += row.nbytes
         self.agent.wait(readings, deadline, f"rank {self.rank}: reading the trainer ranks' delta regions")
-        sink = Targets(targets, stream, self.half, self.delta.program)
+        # as the group path's delta syncs: no target is closed early; what was written is rebuilt after
+        # the sync, what came without a change is not (``SyncStats.unchanged_targets``)
+        sink = Targets(targets, None, self.half, self.delta.program)
         quiet: set[str] = set()
         touched: set[str] = set()
         for rank in order:
