@@ -39,7 +39,10 @@ rate: the measured one where unshaped), ``delta_rows`` (``changed_fraction``, ``
 the plan's bytes into host b over the rate), ``bitwise_equal`` (after ours' syncs, the trainer's own
 checkpoint written through vLLM's loader maps changes no bit of the engine), ``baseline_bitwise_equal``; with
 ``pull``: ``ours_pull_s``, ``pull_bytes_across``, ``ours_pull_over_link_bound``, ``pull_bitwise_equal``,
-``ours_pull_delta_rows``.
+``ours_pull_delta_rows``. ``ours_rollout_phase_s`` and ``ours_pull_rollout_phase_s``: the slowest worker's
+seconds by phase in the last measured sync (over the group: the executor's phases; over NIXL: ``ready``,
+waiting for the trainer ranks, ``read``, waiting for reads, ``land``, copying staged parts into their
+targets; both with the loaded forms' ``open_s`` and ``rebuild_s``).
 """
 
 from __future__ import annotations
@@ -340,6 +343,7 @@ def run(args: argparse.Namespace, model: Path) -> list[dict[str, Any]]:
             "delta_rows": deltas.get(rate, {}).get("delta_rows", []),
             "modeled_s": round(modeled, 4),
             "bitwise_equal": o["equal"],
+            "ours_rollout_phase_s": o["summary"]["rollout_phase_s"],
             "baseline_bitwise_equal": b["equal"] if b else None,
         }
         if p:
@@ -348,6 +352,7 @@ def run(args: argparse.Namespace, model: Path) -> list[dict[str, Any]]:
             row["pull_bytes_across"] = p["across"]
             row["ours_pull_over_link_bound"] = round(row["ours_pull_s"] / row["link_bound_s"], 3)
             row["pull_bitwise_equal"] = p["equal"]
+            row["ours_pull_rollout_phase_s"] = p["summary"]["rollout_phase_s"]
             row["ours_pull_delta_rows"] = pull_deltas.get(rate, {}).get("delta_rows", [])
         row["speedup"] = round(row["baseline_s"] / ours_s, 3) if b else None
         row["ours_over_link_bound"] = round(ours_s / row["link_bound_s"], 3)

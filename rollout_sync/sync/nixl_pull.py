@@ -81,6 +81,7 @@ class PullEndpoint(GroupFreeEndpoint):
             }
             self.agent.notify(peer, b"join " + json.dumps(join).encode())
         self._plan: tuple[Any, ReadPlan] | None = None
+        self.phases: dict[str, float] = {}
         # delta syncs: each trainer rank's export (transport.nixl_delta), where it codes what changed
         self.exports: dict[int, tuple[int, int]] = {}
         self.delta: DeltaProgram | None = None
@@ -194,8 +195,10 @@ class PullEndpoint(GroupFreeEndpoint):
         start = time.perf_counter()
         reason = refusal or self._check(sources, targets, stream)
         deadline = time.monotonic() + self.options.timeout
+        self.phases = {"ready": 0.0, "read": 0.0, "land": 0.0}  # this sync's seconds: waiting, reads, copies
         try:
             got, seqs = self._wait_ready(deadline)
+            self.phases["ready"] = time.perf_counter() - start
         except PlanMismatchError:
             raise
         except (RolloutSyncError, RuntimeError):
@@ -233,7 +236,7 @@ class PullEndpoint(GroupFreeEndpoint):
             len(plan.batches) if plan else 0,
             plan.staging_bytes if plan else 0,
             self.options.staging_cap_bytes,
-            seconds={"total": time.perf_counter() - start},
+            seconds={"total": time.perf_counter() - start, **self.phases},
             delta_base=None if applied is None else base,
             unchanged_targets=frozenset() if applied is None else frozenset(applied[1]),
         )
@@ -331,8 +334,7 @@ class PullEndpoint(GroupFreeEndpoint):
         what = f"rank {self.rank}"
         by_source: dict[int, tuple[list[tuple[int, int, int]], list[tuple[int, int, int]]]] = {}
         for r in plan.in_place:
-            t = given[r.name]
-            base, remote = t.data_ptr(), self.bases[r.source][r.name]
+            base, remote = given[r.name].data_ptr(), self.bases[r.source][r.name]
             local_rows, remote_rows = by_source.setdefault(r.source, ([], []))
             for src, dst, n in r.runs:
                 local_rows.append((base + dst * r.itemsize, n * r.itemsize, 0))
@@ -341,7 +343,9 @@ class PullEndpoint(GroupFreeEndpoint):
             self.agent.read(self.peers[rank], local, remote)
             for rank, (local, remote) in sorted(by_source.items())
         ]
+        clock = time.perf_counter()
         self.agent.wait(readings, deadline, what)
+        clock = self._tick("read", clock)
         staging = self.staging.data_ptr()
         for batch in plan.batches:
             rows: dict[int, tuple[list[tuple[int, int, int]], list[tuple[int, int, int]]]] = {}
@@ -356,6 +360,7 @@ class PullEndpoint(GroupFreeEndpoint):
                 deadline,
                 what,
             )
+            clock = self._tick("read", clock)
             for p in batch:
                 typed = self.staging[p.offset : p.offset + p.count * p.itemsize].view(
                     torch_dtype(p.source_dtype)
@@ -374,7 +379,13 @@ class PullEndpoint(GroupFreeEndpoint):
                 ):
                     made.pop(p.name, None)
                     stream.close(p.name)
+            clock = self._tick("land", clock)
         return plan.bytes_from()
+
+    def _tick(self, phase: str, since: float) -> float:
+        now = time.perf_counter()
+        self.phases[phase] = self.phases.get(phase, 0.0) + now - since
+        return now
 
     def close(self) -> None:
         if not self.closed:
