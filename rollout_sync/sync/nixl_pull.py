@@ -36,6 +36,11 @@ if TYPE_CHECKING:
 __all__ = ["PullEndpoint"]
 
 
+def _seqs(seen: Mapping[int, tuple[int, int]]) -> dict[int, int]:
+    """The sequence numbers of ``(sequence number, version)`` pairs by trainer rank."""
+    return {rank: seq for rank, (seq, _) in seen.items()}
+
+
 class PullEndpoint(GroupFreeEndpoint):
     """A rollout worker in a group-free sync: it reads its half from the trainer ranks' storages."""
 
@@ -141,7 +146,7 @@ class PullEndpoint(GroupFreeEndpoint):
                     continue
                 if phase == REFUSED:
                     self.last_seq[rank] = seq
-                    self._tell(seen, b"fail", f"{self._who(rank)} refused")
+                    self._tell(_seqs(seen), b"fail", f"{self._who(rank)} refused")
                     raise PlanMismatchError(
                         f"rank {self.rank}: {self._who(rank)} refused sync {version}: {reason}"
                     )
@@ -151,7 +156,7 @@ class PullEndpoint(GroupFreeEndpoint):
             if not pending:
                 break
             if time.monotonic() > deadline:
-                self._tell(seen, b"fail", "timed out waiting for the other trainer ranks")
+                self._tell(_seqs(seen), b"fail", "timed out waiting for the other trainer ranks")
                 missing = ", ".join(self._who(r) for r in sorted(pending))
                 raise SyncTimeoutError(
                     f"rank {self.rank}: {missing} did not start a sync within {self.options.timeout:g} s"
@@ -159,11 +164,11 @@ class PullEndpoint(GroupFreeEndpoint):
             time.sleep(POLL_S)
         versions = {v for _, v in seen.values()}
         if len(versions) > 1:
-            self._tell(seen, b"fail", f"trainer ranks offered versions {sorted(versions)}")
+            self._tell(_seqs(seen), b"fail", f"trainer ranks offered versions {sorted(versions)}")
             raise PeerFailedError(
                 f"rank {self.rank}: the trainer ranks offered different versions {sorted(versions)}"
             )
-        return versions.pop(), {r: s for r, (s, _) in seen.items()}
+        return versions.pop(), _seqs(seen)
 
     def _still_ready(self, seqs: Mapping[int, int], version: int, deadline: float) -> None:
         """Every source still offers the sync this worker read (a seqlock's second look): a trainer rank that
@@ -176,9 +181,9 @@ class PullEndpoint(GroupFreeEndpoint):
                     "done (it timed out or failed): what was read may mix two versions"
                 )
 
-    def _tell(self, seen: Mapping[int, Any], kind: bytes, why: str) -> None:
-        for rank, entry in seen.items():
-            seq = entry[0] if isinstance(entry, tuple) else int(entry)
+    def _tell(self, seqs: Mapping[int, int], kind: bytes, why: str) -> None:
+        """Notify each trainer rank of ``seqs`` (its sync's sequence number) ``kind`` and why."""
+        for rank, seq in seqs.items():
             with contextlib.suppress(PeerFailedError):
                 self.agent.notify(self.peers[rank], kind + b" %d " % seq + why.encode()[:900])
 
