@@ -268,30 +268,23 @@ def run(args: argparse.Namespace, model: Path) -> list[dict[str, Any]]:
                     on_a.call(detach)
                     handshake(delta=False, backend="nixl")
                     pulls = per_rate(hosts, rates, "pull", ours_at)
-                deltas: dict[float, dict[str, Any]] = {}
-                if "delta" in args.methods:
+
+                def delta_rows(backend: str, label: str) -> dict[float, dict[str, Any]]:
+                    """The delta rows per rate, after a handshake with ``delta=True`` over ``backend``."""
                     on_a.call(detach)
-                    handshake(delta=True)
-                    deltas = per_rate(
+                    handshake(delta=True, backend=backend)
+                    return per_rate(
                         hosts,
                         rates,
-                        "delta",
+                        f"{label} delta",
                         lambda rate: _measure_delta(
-                            "zero3", ours_once, args.warmup, args.syncs, llm, on_a, workdir, model
+                            f"zero3-{label}", ours_once, args.warmup, args.syncs, llm, on_a, workdir, model
                         ),  # type: ignore[arg-type]
                     )
-                pull_deltas: dict[float, dict[str, Any]] = {}
-                if "delta" in args.methods and "pull" in args.methods:
-                    on_a.call(detach)
-                    handshake(delta=True, backend="nixl")
-                    pull_deltas = per_rate(
-                        hosts,
-                        rates,
-                        "pull delta",
-                        lambda rate: _measure_delta(
-                            "zero3-pull", ours_once, args.warmup, args.syncs, llm, on_a, workdir, model
-                        ),  # type: ignore[arg-type]
-                    )
+
+                deltas = delta_rows("gloo", "ours") if "delta" in args.methods else {}
+                both = {"delta", "pull"} <= args.methods
+                pull_deltas = delta_rows("nixl", "pull") if both else {}
                 on_a.call(detach)
                 baseline: dict[float, dict[str, Any]] = {}
                 if "baseline" in args.methods:
