@@ -152,10 +152,12 @@ class GroupFreeEndpoint:
         self.closed = False
         self.seq = 0
         self.delta_base: int | None = None  # a worker: the version its targets hold, from its last sync
+        self.held: dict[int, int] | None = None  # and that sync's sequence number by trainer rank
 
     def forget_base(self) -> None:
         """Something other than a sync wrote this rank's storages: the next sync is a full one."""
         self.delta_base = None
+        self.held = None
 
     def _who(self, rank: int) -> str:
         e = self.roster.get(rank)

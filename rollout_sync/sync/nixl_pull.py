@@ -215,8 +215,9 @@ class PullEndpoint(GroupFreeEndpoint):
                 self.last_seq[rank] = seq
             raise PlanMismatchError(reason)
         base, self.delta_base = self.delta_base, None  # given back only by this sync's success
+        held, self.held = self.held, None
         try:
-            applied = self._read_delta(seqs, base, targets, stream, deadline)
+            applied = self._read_delta(seqs, held, targets, deadline)
             received = self._read(targets, stream, deadline) if applied is None else applied[0]
             self._still_ready(seqs, got, deadline)
         except (RolloutSyncError, RuntimeError) as exc:
@@ -229,7 +230,7 @@ class PullEndpoint(GroupFreeEndpoint):
                 how = b"full" if applied is None else b"delta"
                 self.agent.notify(self.peers[rank], b"done %d %d %s" % (seq, received.get(rank, 0), how))
         if self.delta is not None:
-            self.delta_base = got
+            self.delta_base, self.held = got, dict(seqs)
         plan = self._plan[1] if self._plan else None
         stats = SyncStats(
             self.rank,
@@ -250,15 +251,15 @@ class PullEndpoint(GroupFreeEndpoint):
     def _read_delta(
         self,
         seqs: Mapping[int, int],
-        base: int | None,
+        held: Mapping[int, int] | None,
         targets: Mapping[str, torch.Tensor],
-        stream: TargetStream | None,
         deadline: float,
     ) -> tuple[dict[int, int], set[str]] | None:
-        """A delta sync: when every trainer rank coded this sync for this worker against ``base`` (the version
-        its targets hold), read each one's region and apply it; the bytes read per trainer rank and the
-        targets that came with no change. None: read the whole half instead (``_read``)."""
-        if self.delta is None or base is None or any(t.is_meta for t in targets.values()):
+        """A delta sync: when every trainer rank coded this sync for this worker against the sync this worker
+        took last from it (``held``: sequence numbers by trainer rank), read each one's region and apply it;
+        the bytes read per trainer rank and the targets that came with no change. None: read the whole half
+        instead (``_read``)."""
+        if self.delta is None or held is None or any(t.is_meta for t in targets.values()):
             return None
         order = sorted(self.peers)
         at = self.tables.data_ptr()
@@ -274,7 +275,7 @@ class PullEndpoint(GroupFreeEndpoint):
         rows = {}
         for i, rank in enumerate(order):
             row = read_table(self.tables[i * TABLE_BYTES : (i + 1) * TABLE_BYTES]).get(self.rank)
-            if row is None or row.seq != seqs[rank] or row.base != base:
+            if row is None or row.seq != seqs[rank] or row.base != held.get(rank):
                 return None
             if row.offset < TABLE_BYTES or row.offset + row.nbytes > self.exports[rank][1]:
                 raise PeerFailedError(

@@ -7,7 +7,7 @@ per message, every message at most the trainer rank's message size, given in its
 delta sync does (``delta``). A trainer rank's messages to reader *r* are then *r*'s messages from it, in the
 same order: both come from one plan.
 
-**Export layout.** A table of ``TABLE_ROWS`` rows of five int64 (reader rank, sequence number, base version,
+**Export layout.** A table of ``TABLE_ROWS`` rows of five int64 (reader rank, sequence number, base sequence,
 byte offset, bytes; rank -1: an empty row), then the regions. Reader *r*'s region: one head per message (mode
 and payload bytes, two int64 each), in program order, then the payloads end to end, each at a multiple of 8.
 
@@ -15,7 +15,8 @@ and payload bytes, two int64 each), in program order, then the payloads end to e
 (``delta_shadow``): where more than ``ExecuteOptions.delta_full_above`` changed, no reader gets a row and the
 shadows are left as they are (the next sync is full too). Otherwise it codes, for each reader it has messages for, every message
 against its shadow (``delta_run.code_message``: the shadow then holds this sync's values) into the reader's
-region. The row's base is the version the shadow held for that reader before; a reader new to the trainer
+region. The row's base is the sync (its sequence number) the shadow held for that reader before: versions
+may repeat (a sync without a step), sequence numbers do not. A reader new to the trainer
 rank (its first sync, or one that joined later through the admission desk: its messages are not in the
 trainer rank's half) gets no row, and neither does a region that does not fit what is left of the export; the
 shadow of its messages is refilled (packed) instead.
@@ -64,7 +65,7 @@ def _align8(n: int) -> int:
 
 @dataclass(frozen=True, slots=True)
 class ExportRow:
-    """A reader's region in a trainer rank's export for sync ``seq``: coded against version ``base``."""
+    """A reader's region in a trainer rank's export for sync ``seq``: coded against sync ``base``."""
 
     rank: int
     seq: int
@@ -124,7 +125,7 @@ class DeltaExport:
         self.table[:, 0] = -1
         largest = max((m.nbytes for msgs in self.messages.values() for m, _ in msgs), default=0)
         self.spare = torch.empty(largest, dtype=torch.uint8)  # a message coded where the export has no room
-        self.versions: dict[int, int] = {}  # reader rank -> the version its messages' shadow holds
+        self.held: dict[int, int] = {}  # reader rank -> the sync (sequence number) its messages' shadow holds
 
     def code(
         self, sources: Mapping[str, torch.Tensor], readers: Collection[int], seq: int, version: int
@@ -137,15 +138,15 @@ class DeltaExport:
         if self.share is not None and self.share > self.full_above:
             # most of it changed: every reader reads its whole half, and neither coding nor refilling the
             # shadows pays (the next sync is full too, and refills them if its sample says a delta will pay)
-            self.versions.clear()
+            self.held.clear()
             return counts
         at, row = TABLE_BYTES, 0
         end = self.buffer.numel()
         for peer, msgs in self.messages.items():
             if peer not in readers:
-                self.versions.pop(peer, None)  # it left: it comes back (if ever) as a new reader
+                self.held.pop(peer, None)  # it left: it comes back (if ever) as a new reader
                 continue
-            base = self.versions.pop(peer, -1)
+            base = self.held.pop(peer, -1)
             fits = base >= 0 and row < TABLE_ROWS and at + HEAD_BYTES * len(msgs) <= end
             heads: list[tuple[int, int]] = []
             payload_at = at + HEAD_BYTES * len(msgs)
@@ -168,7 +169,7 @@ class DeltaExport:
                 heads.append((mode, nbytes))
                 payload_at += _align8(nbytes)
                 counts.bytes_sent[peer] = counts.bytes_sent.get(peer, 0) + HEAD_BYTES + nbytes
-            self.versions[peer] = version
+            self.held[peer] = seq
             if fits:
                 head_view = self.buffer[at : at + HEAD_BYTES * len(msgs)].view(torch.int64)
                 head_view.copy_(torch.tensor(heads, dtype=torch.int64).view(-1))
