@@ -206,9 +206,16 @@ def test_a_request_frozen_by_a_sync_keeps_its_tokens_and_reports_the_exact_bound
 def test_many_requests_across_two_syncs_carry_contiguous_spans_of_increasing_versions(inflight: Setup):
     first = inflight.step
     running = []
+    generating = threading.Event()  # the last request has its first token: it is mid-generation
     for i, prompt in enumerate(PROMPTS):
-        running.append(inflight.greedy(prompt, 96, f"many-{first}-{i}", None))
-        time.sleep(0.05 * i)
+        time.sleep(0.05 * i)  # staggered starts
+        last = i == len(PROMPTS) - 1
+        seen = (lambda n: generating.set() if n >= 1 else None) if last else None
+        running.append(inflight.greedy(prompt, 96, f"many-{first}-{i}", seen))
+    # The sync pauses the engine as it begins: at least the last request is then between its first and its
+    # 96th token (on a fast CPU the tiny model makes 96 tokens in about 0.25 s: a fixed sleep here let every
+    # request finish first).
+    assert generating.wait(120), "the last request produced no token"
     inflight.train_and_sync()
     inflight.train_and_sync()
     late = inflight.greedy(PROMPTS[1], 8, f"late-{first}", None).result(120)
