@@ -44,6 +44,7 @@ def moved(stats) -> dict[str, int]:
         "pulled": sum(stats.bytes_pulled.values()),
         "handed": sum(stats.bytes_handed.values()),
         "delta_base": stats.delta_base,
+        "read_s": stats.seconds.get("read"),  # group-free workers: waiting for their reads
     }
 
 
