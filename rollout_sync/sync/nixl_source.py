@@ -126,7 +126,7 @@ class SourceEndpoint(GroupFreeEndpoint):
         readers = dict(self.readers)
         coded = None
         if self.export is not None:  # what changed, per reader, into the export (before anyone reads it)
-            coded = self.export.code(sources, {r.rank for r in readers.values()}, self.seq, version)
+            coded = self.export.code(sources, {r.rank for r in readers.values()}, self.seq)
         state.write(self.seq, version, READY)
         waiting = set(readers)
         dropped: dict[str, str] = {}

@@ -113,10 +113,9 @@ class DeltaExport:
     ) -> None:
         self.half = half
         self.full_above = full_above
-        self.sample: dict[str, torch.Tensor] | None = (
-            None  # of the sources at the last sync (``delta_shadow``)
-        )
-        self.share: float | None = None  # this sync's estimate of the changed share
+        # a sample of the sources at the last sync (``delta_shadow``), and this sync's changed share by it
+        self.sample: dict[str, torch.Tensor] | None = None
+        self.share: float | None = None
         self.delta = delta_program(half, message_bytes)
         self.messages = _by_peer(self.delta.program.sends)
         self.shadow = Shadow(self.delta, torch.device("cpu"))
@@ -127,10 +126,8 @@ class DeltaExport:
         self.spare = torch.empty(largest, dtype=torch.uint8)  # a message coded where the export has no room
         self.held: dict[int, int] = {}  # reader rank -> the sync (sequence number) its messages' shadow holds
 
-    def code(
-        self, sources: Mapping[str, torch.Tensor], readers: Collection[int], seq: int, version: int
-    ) -> DeltaCounts:
-        """Code this sync for ``readers`` (ranks) into the export (see the module docstring)."""
+    def code(self, sources: Mapping[str, torch.Tensor], readers: Collection[int], seq: int) -> DeltaCounts:
+        """Code sync ``seq`` for ``readers`` (ranks) into the export (see the module docstring)."""
         counts = DeltaCounts()
         self.table[:, 0] = -1
         self.share = None if self.sample is None else changed_share(self.sample, self.half, sources)

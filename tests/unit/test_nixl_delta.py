@@ -55,7 +55,7 @@ class Rig:
         regions (None: a full pull)."""
         self.full = full
         for r, export in self.exports.items():
-            export.code(self.sources(r), readers, seq, seq)
+            export.code(self.sources(r), readers, seq)
         read: dict[int, int | None] = {}
         for w in sorted(readers):
             rows = {r: read_table(e.buffer).get(w) for r, e in self.exports.items()}
