@@ -22,7 +22,14 @@ import torch
 from rollout_sync.trainer.engine_parts import autoep_layers
 from rollout_sync.trainer.naming import autoep_expert_parts, autoep_router_name
 
-__all__ = ["assembled", "full_logical_tensors", "local_param", "logical_tensors", "save_checkpoint"]
+__all__ = [
+    "assembled",
+    "full_logical_tensors",
+    "local_param",
+    "logical_tensors",
+    "save_adapter",
+    "save_checkpoint",
+]
 
 
 def _all_gather(local: torch.Tensor, group: Any) -> list[torch.Tensor]:
@@ -107,3 +114,24 @@ def save_checkpoint(tensors: dict[str, torch.Tensor], model_dir: str | Path, out
             shutil.copy(f, path / f.name)
     save_file({n: t.contiguous() for n, t in tensors.items()}, str(path / "model.safetensors"))
     return path
+
+
+def save_adapter(engine: Any, out: str | Path) -> list[str]:
+    """What PEFT's ``save_pretrained`` writes for the adapter of a PEFT model under DeepSpeed, from
+    DeepSpeed's own gathers (``adapter_config.json``, ``adapter_model.safetensors`` with keys
+    ``base_model.model.{module}.lora_A.weight``): vLLM loads it with ``LoRARequest(name, id, out)``.
+    Collective; rank 0 writes. Returns the saved keys."""
+    import torch.distributed as dist
+    from safetensors.torch import save_file
+
+    adapter = {}
+    for name, p in engine.module.named_parameters():
+        if ".lora_A." in name or ".lora_B." in name:
+            key = name.replace(".lora_A.default.", ".lora_A.").replace(".lora_B.default.", ".lora_B.")
+            adapter[key] = local_param(p).contiguous()
+    if dist.get_rank() == 0:
+        out = Path(out)
+        out.mkdir(parents=True, exist_ok=True)
+        engine.module.peft_config["default"].save_pretrained(str(out))
+        save_file(adapter, str(out / "adapter_model.safetensors"))
+    return sorted(adapter)

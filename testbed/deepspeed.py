@@ -61,6 +61,9 @@ class DeepSpeedSpec:
     lr: float = 1e-3
     zero_init: bool = False
     extra_config: Mapping[str, Any] = field(default_factory=dict)
+    #: ``peft.LoraConfig`` arguments: the model is wrapped with ``peft.get_peft_model`` (A drawn from seed
+    #: 0 on every rank; B, zero at PEFT's init, drawn too, so a first sync already moves non-zero values).
+    lora: Mapping[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if self.zero_stage not in (0, 1, 2, 3):
@@ -153,8 +156,24 @@ def build_engine(spec: DeepSpeedSpec, model_path: str | os.PathLike[str]) -> Any
         model = _rebuild_under_zero_init(loaded, AutoConfig.from_pretrained(str(model_path)), config, dtype)
     else:
         model = loaded
+    if spec.lora is not None:
+        model = _with_lora(model, spec.lora)
     engine, _, _, _ = deepspeed.initialize(model=model, config=config, model_parameters=model.parameters())
     return engine
+
+
+def _with_lora(model: Any, lora: Mapping[str, Any]) -> Any:
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(0)
+    wrapped = get_peft_model(model, LoraConfig(**dict(lora)))
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in wrapped.named_parameters():
+            if ".lora_B." in name:
+                p.copy_((torch.randn(p.shape, generator=gen) * 0.2).to(p.dtype))
+    return wrapped
 
 
 def _rebuild_under_zero_init(loaded: Any, hf_config: Any, ds_config: dict[str, Any], dtype: Any) -> Any:

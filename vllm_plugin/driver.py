@@ -37,10 +37,15 @@ def setup_engines(
     max_pieces: int = DEFAULT_MAX_PIECES,
     maps: str | None = None,
     reports: list[list[dict[str, Any]]] | None = None,
+    lora: Mapping[str, Any] | None = None,
 ) -> RolloutTargets:
     """Set up every worker of every engine (``maps``: how workers learn their targets, ``"fast"``,
     ``"probe"`` or ``"verify"``, ``vllm_plugin.targets``; None: the extension's default) and return the merged, coverage-checked target
-    maps. ``reports``, if given, receives each engine's worker summaries (with their setup reports)."""
+    maps. ``reports``, if given, receives each engine's worker summaries (with their setup reports).
+    ``lora``: sync a LoRA adapter into a slot of each engine instead of the weights
+    (``vllm_plugin.lora_slots.AdapterSpec`` as a dict: ``name``, ``lora_id``, ``rank``, ``scaling``,
+    ``target_modules``); requests name it with ``LoRARequest(name, lora_id, lora_path)`` (the path is never
+    read)."""
     ranks: list[tuple[int, ...]] = []
     refused: dict[str, list[int]] = {}
     next_rank = first_rank
@@ -52,6 +57,8 @@ def setup_engines(
         }
         if maps is not None:
             kwargs["maps"] = maps
+        if lora is not None:
+            kwargs["lora"] = dict(lora)
         summaries = call(engine, "setup", name=str(k), kwargs=kwargs)
         got = tuple(int(s["rank"]) for s in summaries)
         expected = tuple(range(next_rank, next_rank + len(summaries)))

@@ -40,12 +40,25 @@ class RolloutSyncExtension:
         tensors: Mapping[str, Sequence[int]] | None = None,
         max_pieces: int = DEFAULT_MAX_PIECES,
         maps: str = "fast",
+        lora: Mapping[str, Any] | None = None,
     ) -> dict[str, Any]:
         """Learn this worker's targets (``maps``: ``"fast"``, ``"probe"`` or ``"verify"``,
-        ``vllm_plugin.targets``); this worker is global rank ``first_rank + tp_rank``. Returns a summary
-        (rank, refused tensors with reasons, derived copies, setup report and times)."""
+        ``vllm_plugin.targets``); this worker is global rank ``first_rank + tp_rank``. ``lora``: the targets
+        are a LoRA adapter's A and B in a slot held for it (``vllm_plugin.lora_slots.AdapterSpec`` as a
+        dict), not the model's weights. Returns a summary (rank, refused tensors with reasons, derived
+        copies, setup report and times)."""
         from vllm.distributed.parallel_state import get_tp_group
 
+        if lora is not None:
+            self.rollout_sync_worker = RolloutWorker.setup_adapter(
+                self.model_runner.model,  # type: ignore[attr-defined]
+                self.model_runner,  # type: ignore[attr-defined]
+                self.vllm_config,  # type: ignore[attr-defined]
+                lora,
+                tp_rank=get_tp_group().rank_in_group,
+                first_rank=first_rank,
+            )
+            return self.rollout_sync_worker.summary()
         worker = RolloutWorker.setup(
             self.model_runner.model,  # type: ignore[attr-defined]
             self.vllm_config,  # type: ignore[attr-defined]

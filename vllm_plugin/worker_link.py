@@ -81,6 +81,7 @@ def connect(
         staging_cap_bytes=staging_cap_bytes,
         device=device_kind(worker.model.parameters()),
         atomic=atomic,
+        adapter=worker.adapter,
     )
 
 

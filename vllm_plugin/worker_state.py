@@ -77,8 +77,13 @@ class RolloutWorker:
         fallback_dtype: str,
         shapes: Mapping[str, tuple[int, ...]],
         loaded_forms: LoadedForms | None = None,
+        storages: Mapping[str, torch.Tensor] | None = None,
     ) -> None:
         self.model = model
+        # Storages that are not model parameters (an adapter's LoRA slot buffers and staging tensors).
+        self.storages = dict(storages or {})
+        # The LoRA adapter (rank, scaling) whose A and B the targets are, if any (told at the handshake).
+        self.adapter: dict[str, Any] | None = None
         self.loaded_forms = loaded_forms if loaded_forms else None
         self.record_loaded = False
         self.loaded_digests: dict[str, str] = {}
@@ -153,6 +158,38 @@ class RolloutWorker:
             loaded_forms=forms,
         )
 
+    @classmethod
+    def setup_adapter(
+        cls,
+        model: torch.nn.Module,
+        model_runner: Any,
+        vllm_config: Any,
+        spec: Mapping[str, Any],
+        *,
+        tp_rank: int,
+        first_rank: int,
+    ) -> RolloutWorker:
+        """Targets of a LoRA adapter's A and B in a slot this worker holds for it (``spec``: see
+        ``vllm_plugin.lora_slots.AdapterSpec``) instead of the model's weights."""
+        from .lora_slots import AdapterSlot, AdapterSpec
+
+        started = time.perf_counter()
+        shapes = {n: s for n, (s, _) in logical_tensors(_model_checkpoint_dir(vllm_config)).items()}
+        adapter = AdapterSpec.from_dict(spec)
+        held = AdapterSlot.hold(model_runner, adapter, shapes, rank=first_rank + tp_rank)
+        worker = cls(
+            model,
+            held.targets,
+            held.derived,
+            tp_rank=tp_rank,
+            setup_report={"seconds": time.perf_counter() - started, "adapter": dict(spec), "slot": held.slot},
+            fallback_dtype=dtype_name(vllm_config.model_config.dtype),
+            shapes={n: m.shape for n, m in held.targets.maps.items()},
+            storages=held.storages,
+        )
+        worker.adapter = {"rank": adapter.rank, "scaling": adapter.scaling}
+        return worker
+
     def force_fallback(self, names: Sequence[str], reason: str) -> None:
         """Take ``names`` through the full-tensor path on this rank too (a map's boxes must agree across
         ranks, so a tensor refused on one rank is staged whole on every rank). Rebuilds the derived-copy
@@ -200,7 +237,7 @@ class RolloutWorker:
         return local_targets_to_dict(self.targets)
 
     def params(self) -> dict[str, torch.Tensor]:
-        return {n: p.data for n, p in self.model.named_parameters()}
+        return {**{n: p.data for n, p in self.model.named_parameters()}, **self.storages}
 
     def uncovered(self) -> dict[str, list[tuple[int, int]]]:
         """Per parameter holding some storage, the flat ranges no storage covers (padding)."""

@@ -254,6 +254,7 @@ def ours_sync(ctx: RankContext, version: int) -> dict[str, Any]:
         "elements_changed": stats["elements_changed"],
         "delta_state_bytes": stats["delta_state_bytes"],
         "estimated_changed_share": stats["estimated_changed_share"],
+        "phase_seconds": stats["seconds"],
     }
 
 
@@ -658,7 +659,7 @@ def _measure_delta(
         for i in range(warmup + syncs):
             pool.call(change, fraction, step)
             start = time.perf_counter()
-            t, _ = one_sync(step)
+            t, w = one_sync(step)
             llm.reset_prefix_cache()
             took = time.perf_counter() - start
             step += 1
@@ -671,6 +672,7 @@ def _measure_delta(
                 f"{sum(r['elements_changed'] for r in t)}/{sum(r['elements_compared'] for r in t)}, "
                 f"sampled share {max(estimates, default=0.0):.4f}" + (" (warm-up)" if i < warmup else "")
             )
+            _log(f"{trainer} {fraction:.0%} where the time went: {_phases(t, w)}")
             if i >= warmup:
                 seconds.append(took)
                 moved.append(sum(int(r["bytes_sent"]) for r in t))
@@ -690,6 +692,29 @@ def _measure_delta(
             }
         )
     return {"delta_rows": rows, "delta_state_bytes": state}
+
+
+def _phases(trainer: Sequence[Mapping[str, Any]], workers: Sequence[Any]) -> str:
+    """The slowest trainer rank's and worker's seconds by phase (as their stats and reports name them)."""
+
+    def slowest(rows: Sequence[Mapping[str, Any]]) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for row in rows:
+            for key, value in row.items():
+                if isinstance(value, (int, float)) and not isinstance(value, bool):
+                    out[key] = round(max(out.get(key, 0.0), float(value)), 3)
+        return out
+
+    ranks = slowest([r.get("phase_seconds") or {} for r in trainer])
+    rollout = []
+    for w in workers:
+        if isinstance(w, Mapping):
+            forms = w.get("loaded_forms") or {}
+            row = {"seconds": w.get("seconds"), "total_seconds": w.get("total_seconds")}
+            row.update({f"stats_{k}": v for k, v in ((w.get("stats") or {}).get("seconds") or {}).items()})
+            row.update({k: v for k, v in forms.items() if k.endswith("_s")})
+            rollout.append(row)
+    return f"trainer {ranks}, workers {slowest(rollout)}"
 
 
 def main(argv: list[str] | None = None) -> int:

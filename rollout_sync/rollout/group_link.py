@@ -63,12 +63,14 @@ class RolloutLink:
         staging_cap_bytes: int = DEFAULT_STAGING_CAP_BYTES,
         device: str | None = None,
         atomic: bool = False,
+        adapter: Mapping[str, Any] | None = None,
     ) -> RolloutLink:
         """Join the handshake as worker ``local_rank`` of engine ``engine``. ``maps`` describe this worker's
         storage alone, under rank ``map_rank`` (default ``local_rank``); the coordinator renumbers it to the
         worker's global rank. ``device``: the device type of its storages (the coordinator checks the
         group's backend carries it). ``atomic``: the owner writes a sync into its weights only once it
-        committed (``rollout.update.UpdateSession``)."""
+        committed (``rollout.update.UpdateSession``). ``adapter``: the LoRA adapter this worker's maps are
+        the A and B of (``rank``, ``scaling``), checked against the trainer's at the handshake."""
         map_rank = local_rank if map_rank is None else map_rank
         for m in maps:
             if set(m.ranks) - {map_rank}:
@@ -84,7 +86,7 @@ class RolloutLink:
             local_rank=local_rank,
             local_size=local_size,
             payload=encode_maps(list(maps)),
-            fields={"map_rank": map_rank, "device": device},
+            fields={"map_rank": map_rank, "device": device, "adapter": dict(adapter) if adapter else None},
             timeout=timeout,
             options=ExecuteOptions(staging_cap_bytes=staging_cap_bytes, timeout=timeout),
         )

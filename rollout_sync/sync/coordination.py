@@ -21,7 +21,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import BackendDeviceError, HandshakeError, PlanMismatchError
+from ..errors import BackendDeviceError, HandshakeError, PlanMismatchError, UnsupportedLayoutError
 from ..handshake import ROLLOUT, TRAINER, Coordinator, PeerInfo
 from ..layout.combine import alone, merge
 from ..layout.maps import TensorMap
@@ -139,6 +139,26 @@ def check_group_free(roster: Sequence[RosterEntry], peers: Sequence[PeerInfo], d
             )
         out[str(e.rank)] = info
     return out
+
+
+def check_adapters(roster: Sequence[RosterEntry], peers: Sequence[PeerInfo]) -> None:
+    """An adapter sync reaches workers that serve that adapter: the LoRA rank and scaling the trainer trains
+    (``hello`` field ``adapter``) must be what every worker's slot was set up with, and a worker whose
+    targets are the model's weights takes no adapter (nor the reverse). Raised on every rank through the
+    coordinator's abort, before anything moves."""
+    trainer = next((p.fields.get("adapter") or None for p in peers if p.role == TRAINER), None)
+    for e, p in zip(roster, peers, strict=True):
+        if p.role != ROLLOUT:
+            continue
+        found = p.fields.get("adapter") or None
+        if found != trainer:
+            raise UnsupportedLayoutError(
+                "a worker is set up for another LoRA adapter than the trainer syncs (setup_engines(lora=...) "
+                "must name the trainer's rank and scaling; None: the model's weights)",
+                rank=e.rank,
+                expected=trainer,
+                found=found,
+            )
 
 
 def entry_of(p: PeerInfo, rank: int) -> RosterEntry:
@@ -263,6 +283,7 @@ def coordinate(
                 )
         roster = [entry_of(p, coord.global_rank(p)) for p in peers]
         check_reachable(roster, peers, coord.address)
+        check_adapters(roster, peers)
         one_host = len({e.machine for e in roster}) == 1 and all(e.machine for e in roster)
         check_backend(
             backend,

@@ -20,7 +20,7 @@ re-attach.
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ..errors import HandshakeError, PlanMismatchError, SyncTimeoutError
@@ -37,6 +37,7 @@ from ..sync.nixl_source import SourceEndpoint
 from ..sync.roster import device_kind
 from ..transport import DEFAULT_STAGING_CAP_BYTES, ExecuteOptions
 from ..transport.network import route_source, split_address
+from .adapter import adapter_storage, peft_adapter
 from .fresh_views import FreshViews
 from .step_hook import StepHook
 
@@ -92,7 +93,15 @@ class TrainerSync:
         # allow_gathered: after a training step ZeRO-3 keeps persistent parameters gathered; the maps and
         # views describe the partitions (ds_tensor) either way. A re-attach of a trained engine (after a
         # failed sync, a restarted engine) must not be refused for it.
-        (maps, sources), watch = watched_storage(engine, state, allow_gathered=True)
+        adapter = peft_adapter(engine)
+
+        def described() -> tuple[list[TensorMap], dict[str, Any], Any]:
+            (m, v), w = watched_storage(engine, state, allow_gathered=True)
+            if adapter is not None:  # a PEFT model: its adapter's A and B only (trainer.adapter)
+                m, v = adapter_storage(m, v, adapter.adapter)
+            return m, v, w
+
+        maps, sources, watch = described()
         self = cls.connect(
             maps,
             sources,
@@ -108,15 +117,12 @@ class TrainerSync:
             engine=engine,
             shared_memory=shared_memory,
             delta=delta,
+            adapter=None if adapter is None else {"rank": adapter.rank, "scaling": adapter.scaling},
         )
 
-        def rebuild() -> tuple[list[TensorMap], dict[str, Any], Any]:
-            # Persistent ZeRO-3 parameters stay gathered between steps; the views are of the partitions.
-            (m, v), w = watched_storage(engine, state, allow_gathered=True)
-            return m, v, w
-
+        # Persistent ZeRO-3 parameters stay gathered between steps; the views are of the partitions.
         self.views = FreshViews(
-            sources, watch, maps_digest(encode_maps(list(maps))), rebuild, dist.get_rank()
+            sources, watch, maps_digest(encode_maps(list(maps))), described, dist.get_rank()
         )
         if every is not None:
             self.hook = StepHook(engine, self._after_step, every=every)
@@ -140,6 +146,7 @@ class TrainerSync:
         engine: Any = None,
         shared_memory: bool = True,
         delta: bool = False,
+        adapter: Mapping[str, Any] | None = None,
     ) -> TrainerSync:
         """Join the sync group as trainer rank ``rank`` of ``world_size``, with maps of every trainer rank
         (the same on every rank) and this rank's storage views. Trainer rank 0 also runs the coordinator."""
@@ -186,7 +193,11 @@ class TrainerSync:
                 local_rank=rank,
                 local_size=world_size,
                 payload=payload if rank == 0 else b"",
-                fields={"maps_digest": maps_digest(payload), "device": device_kind(sources.values())},
+                fields={
+                    "maps_digest": maps_digest(payload),
+                    "device": device_kind(sources.values()),
+                    "adapter": dict(adapter) if adapter else None,
+                },
                 timeout=timeout,
                 options=options,
                 nixl_source=nixl_source,
