@@ -672,7 +672,7 @@ def _measure_delta(
                 f"{sum(r['elements_changed'] for r in t)}/{sum(r['elements_compared'] for r in t)}, "
                 f"sampled share {max(estimates, default=0.0):.4f}" + (" (warm-up)" if i < warmup else "")
             )
-            _log(f"{trainer} {fraction:.0%} where the time went: {_phases(t, w)}")
+            _log(f"{trainer} {fraction:.0%} where the time went: {_where_time_went(t, w)}")
             if i >= warmup:
                 seconds.append(took)
                 moved.append(sum(int(r["bytes_sent"]) for r in t))
@@ -694,27 +694,14 @@ def _measure_delta(
     return {"delta_rows": rows, "delta_state_bytes": state}
 
 
-def _phases(trainer: Sequence[Mapping[str, Any]], workers: Sequence[Any]) -> str:
-    """The slowest trainer rank's and worker's seconds by phase (as their stats and reports name them)."""
-
-    def slowest(rows: Sequence[Mapping[str, Any]]) -> dict[str, float]:
-        out: dict[str, float] = {}
-        for row in rows:
-            for key, value in row.items():
-                if isinstance(value, (int, float)) and not isinstance(value, bool):
-                    out[key] = round(max(out.get(key, 0.0), float(value)), 3)
-        return out
-
-    ranks = slowest([r.get("phase_seconds") or {} for r in trainer])
-    rollout = []
-    for w in workers:
-        if isinstance(w, Mapping):
-            forms = w.get("loaded_forms") or {}
-            row = {"seconds": w.get("seconds"), "total_seconds": w.get("total_seconds")}
-            row.update({f"stats_{k}": v for k, v in ((w.get("stats") or {}).get("seconds") or {}).items()})
-            row.update({k: v for k, v in forms.items() if k.endswith("_s")})
-            rollout.append(row)
-    return f"trainer {ranks}, workers {slowest(rollout)}"
+def _where_time_went(trainer: Sequence[Mapping[str, Any]], workers: Sequence[Mapping[str, Any]]) -> str:
+    """Seconds by phase of the slowest trainer rank and of the slowest worker (``_phases``)."""
+    ranks: dict[str, float] = {}
+    for r in trainer:
+        for k, v in (r.get("phase_seconds") or {}).items():
+            ranks[k] = max(ranks.get(k, 0.0), round(float(v), 4))
+    worst = max((float(w.get("total_seconds", 0.0)) for w in workers), default=0.0)
+    return f"trainer {ranks}, workers {_phases(workers)}, slowest worker's receive {worst:.3f} s"
 
 
 def main(argv: list[str] | None = None) -> int:

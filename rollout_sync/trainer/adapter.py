@@ -99,6 +99,7 @@ def adapter_config(configs: Mapping[str, Mapping[str, Any]]) -> AdapterConfig:
     alpha = float(config["lora_alpha"])
     scaling = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
     targets = config.get("target_modules")
+    modules: tuple[str, ...] | None
     if isinstance(targets, str):
         modules = None if targets == "all-linear" else (targets,)
         if modules is not None and not targets.isidentifier():

@@ -74,10 +74,8 @@ def test_a_peft_adapter_syncs_into_a_lora_slot_and_serves_as_its_peft_checkpoint
                 assert [w["version"] for w in workers] == [version] * tp, workers
                 stats = [t["sync"]["stats"] for t in trainer]
                 sent = sum(sum(s["bytes_sent"].values()) + sum(s["bytes_mapped"].values()) for s in stats)
-                adapter_bytes = _adapter_bytes(spec, model)
-                assert sent <= adapter_bytes, (
-                    f"step {step}: {sent} bytes sent, the adapter is {adapter_bytes}"
-                )
+                stored = _stored_bytes(RANK, model, tp)
+                assert sent == stored, f"step {step}: {sent} bytes sent, the workers store {stored}"
                 saved = tmp_path / f"adapter-{step}"
                 pool.call(_save_adapter, str(saved))
                 synced = _outputs(engine.llm, LoRARequest("policy", SYNCED_ID, "never-read"))
@@ -89,12 +87,18 @@ def test_a_peft_adapter_syncs_into_a_lora_slot_and_serves_as_its_peft_checkpoint
         vllm_pool.discard(engine)  # a slot stays pinned to the synced adapter
 
 
-def _adapter_bytes(spec: dict[str, Any], model: Path) -> int:
-    """Bytes of the adapter's A and B (bf16) over every linear layer of the tiny model."""
+def _stored_bytes(rank: int, model: Path, tp: int) -> int:
+    """Bytes (bf16) of A and B that the engine's workers store together: vLLM keeps a column-parallel
+    layer's A (``q/k/v/gate/up_proj``) and a row-parallel layer's B (``o/down_proj``) whole on every TP rank
+    and splits the other by TP. Each of those elements moves once, from the trainer rank that stores it."""
     from rollout_sync.rollout.checkpoint import logical_tensors
 
     total = 0
     for name, (shape, _) in logical_tensors(model).items():
-        if name.startswith("model.layers.") and name.endswith("proj.weight") and len(shape) == 2:
-            total += 2 * spec["rank"] * (shape[0] + shape[1])
+        if not (name.startswith("model.layers.") and name.endswith("_proj.weight")):
+            continue
+        out, inp = shape
+        row_parallel = name.endswith(("o_proj.weight", "down_proj.weight"))
+        a, b = rank * inp, out * rank
+        total += 2 * (a + b * tp if row_parallel else a * tp + b)
     return total

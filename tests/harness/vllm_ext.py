@@ -130,10 +130,11 @@ class TestWorkerExtension(RolloutSyncExtension):
         tensors: Mapping[str, Sequence[int]] | None = None,
         max_pieces: int = DEFAULT_MAX_PIECES,
         maps: str = "verify",
+        lora: Mapping[str, Any] | None = None,
     ) -> dict[str, Any]:
         """The product's setup, comparing the fast path with the element probe on every engine a test
         starts (``maps="verify"`` unless a test asks for another mode)."""
-        return super().rollout_sync_setup(first_rank, tensors, max_pieces, maps)
+        return super().rollout_sync_setup(first_rank, tensors, max_pieces, maps, lora)
 
     def rs_rollout_test_skewed_setup(self, first_rank: int, vocab_padding: int) -> str | None:
         """Run the fast setup with shape tables that pad the vocab to ``vocab_padding`` rows instead of
