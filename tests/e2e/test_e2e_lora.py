@@ -6,6 +6,7 @@ wrote (``LoRARequest`` with its path); and neither equals the base model. The ba
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +15,7 @@ import pytest
 from rollout_sync.trainer.adapter import adapter_config
 from testbed.deepspeed import DeepSpeedSpec
 from testbed.rank_pool import RankContext, RankPool, free_port
-from testbed.trainer_ranks import attach, setup, train_step
+from testbed.trainer_ranks import attach, setup, sync_now, train_step
 from tests.e2e.e2e_steps import TOKEN, TRAINER_ENV
 from tests.harness.vllm_engines import DEFAULT_PROMPTS, LOGITS_KWARGS, shared_spec
 from vllm_plugin.driver import connect_engine, receive_sync, setup_engines
@@ -102,3 +103,57 @@ def _stored_bytes(rank: int, model: Path, tp: int) -> int:
         a, b = rank * inp, out * rank
         total += 2 * (a + b * tp if row_parallel else a * tp + b)
     return total
+
+
+def _sync_on_rank_0_only(ctx: RankContext, version: int) -> str | None:
+    """Trainer rank 0 syncs ``version``; rank 1 sends nothing (as if it died): rank 0's error, or None."""
+    if ctx.rank != 0:
+        return None
+    try:
+        ctx.state["sync"].sync(version)
+    except Exception as exc:
+        return type(exc).__name__
+    return None
+
+
+def test_a_failed_adapter_sync_leaves_the_previous_adapter_serving(
+    tiny_model: Any, vllm_pool: Any, tmp_path: Path
+):
+    """A sync one trainer rank never sends (as if it died before its step's sync): it fails within the
+    timeout on both sides, the engine keeps its version, and the adapter it serves gives the tokens and
+    logits of the last complete sync. (Here nothing lands before the failure, atomic worker or not; a
+    failure after part of a sync landed is what ``atomic=True`` covers, as for weights: the worker receives
+    into copies and writes the slot, B's staging and its scaled copy only after the commit.)"""
+    from vllm.lora.request import LoRARequest
+
+    model = tiny_model("dense")
+    engine = vllm_pool.get(shared_spec(model, 1, **ENGINE))
+    timeout = 15.0
+    try:
+        with RankPool(2, env=TRAINER_ENV, timeout=600) as pool:
+            pool.call(setup, DeepSpeedSpec("dense", 3, lora=LORA), str(model))
+            spec = adapter_config({"default": {"peft_type": "LORA", **LORA}}).spec("policy", SYNCED_ID)
+            setup_engines([engine], first_rank=2, lora=spec)
+            address = f"tcp://127.0.0.1:{free_port()}"
+            pending = pool.submit(attach, address, TOKEN, 1, None, "balanced", timeout)
+            connect_engine(engine, address, 0, token=TOKEN, timeout=timeout, atomic=True)
+            pending.result(timeout * 2)
+            request = LoRARequest("policy", SYNCED_ID, "never-read")
+            pool.call(train_step, 1)
+            pending = pool.submit(sync_now, 1)
+            receive_sync([engine.llm])
+            pending.result(timeout * 2)
+            good = _outputs(engine.llm, request)
+            pool.call(train_step, 2)
+            pending = pool.submit(_sync_on_rank_0_only, 2)
+            started = time.monotonic()
+            with pytest.raises(Exception, match=r"SyncTimeoutError|PeerFailedError|timed out"):
+                receive_sync([engine.llm])
+            assert time.monotonic() - started < timeout * 3
+            assert pending.result(timeout * 4)[0] is not None, (
+                "trainer rank 0 claimed a sync rank 1 never sent"
+            )
+            assert engine.llm.get_weight_version() == "1"
+            assert _outputs(engine.llm, request) == good
+    finally:
+        vllm_pool.discard(engine)
