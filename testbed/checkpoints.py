@@ -135,3 +135,27 @@ def save_adapter(engine: Any, out: str | Path) -> list[str]:
         engine.module.peft_config["default"].save_pretrained(str(out))
         save_file(adapter, str(out / "adapter_model.safetensors"))
     return sorted(adapter)
+
+
+def save_merged(engine: Any, lora: Mapping[str, Any], model_dir: str | Path, out: str | Path) -> Path | None:
+    """PEFT's own ``merge_and_unload`` of the trainer's model as a checkpoint: every parameter gathered with
+    DeepSpeed's own gathers, loaded on rank 0 into a fresh PEFT model of the same ``lora`` config, merged
+    and unloaded by PEFT, saved under checkpoint names. Collective; rank 0 writes (returns the path)."""
+    import torch.distributed as dist
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    full = {name: local_param(p) for name, p in engine.module.named_parameters()}
+    if dist.get_rank() != 0:
+        return None
+    dtype = next(iter(full.values())).dtype
+    model = get_peft_model(
+        AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype), LoraConfig(**dict(lora))
+    ).to(dtype)  # PEFT makes adapters fp32; the trainer (DeepSpeed bf16) holds them in ``dtype``
+    missing, unexpected = model.load_state_dict(full, strict=False)
+    if unexpected or any(".lora_" in n or "base_layer" in n for n in missing):
+        raise RuntimeError(f"gathered parameters do not fit the PEFT model: {missing[:3]} {unexpected[:3]}")
+    merged = model.merge_and_unload()
+    names = {id(p): n for n, p in merged.named_parameters()}  # tied weights once, under their first name
+    tensors = {n: p.data for n, p in merged.named_parameters() if names[id(p)] == n}
+    return save_checkpoint(tensors, model_dir, out)

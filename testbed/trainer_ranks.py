@@ -39,6 +39,7 @@ def attach(
     shared_memory: bool = True,
     delta: bool = False,
     backend: str = "gloo",
+    lora: str = "adapter",
 ) -> int:
     """Attach rollout-sync to the engine (joins the handshake); returns this rank's global rank."""
     from rollout_sync.trainer.hook import TrainerSync
@@ -56,6 +57,7 @@ def attach(
         shared_memory=shared_memory,
         delta=delta,
         backend=backend,
+        lora=lora,
     )
     ctx.state["sync"] = sync
     return sync.endpoint.rank

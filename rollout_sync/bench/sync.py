@@ -351,8 +351,9 @@ def _descendants() -> set[int]:
     return pids
 
 
-def start_engine(model: Path) -> tuple[Any, set[int]]:
-    """A TP-2 vLLM CPU engine of ``model`` with the bench extension; it reports raw logits of every token."""
+def start_engine(model: Path, **engine_kwargs: Any) -> tuple[Any, set[int]]:
+    """A TP-2 vLLM CPU engine of ``model`` with the bench extension; it reports raw logits of every token.
+    ``engine_kwargs``: more of ``LLM``'s arguments (``enable_lora``...)."""
     env = {
         "PYTHONPATH": os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p),
         "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "0|1"),
@@ -373,6 +374,7 @@ def start_engine(model: Path) -> tuple[Any, set[int]]:
         worker_extension_cls=EXTENSION,
         max_logprobs=-1,
         logprobs_mode="raw_logits",
+        **engine_kwargs,
     )
     return llm, _descendants() - before
 

@@ -39,6 +39,7 @@ from ..transport import DEFAULT_STAGING_CAP_BYTES, ExecuteOptions
 from ..transport.network import route_source, split_address
 from .adapter import adapter_storage, peft_adapter
 from .fresh_views import FreshViews
+from .merged import MergedSources, merged_storage
 from .step_hook import StepHook
 
 
@@ -59,6 +60,7 @@ class TrainerSync:
         self.desk: AdmissionDesk | None = None  # trainer rank 0 of a group-free sync: admits engines any time
         self.last: SyncResult | None = None
         self.history: list[SyncResult] = []
+        self.merged: MergedSources | None = None  # a merged LoRA sync: refreshed before each sync
 
     @classmethod
     def attach(
@@ -76,6 +78,7 @@ class TrainerSync:
         state: str = "param",
         shared_memory: bool = True,
         delta: bool = False,
+        lora: str = "adapter",
     ) -> TrainerSync:
         """Join the sync group with a live DeepSpeed engine. ``engines``: how many vLLM engines take part;
         ``every``: sync after every N-th applied optimizer step (``None``: only explicit ``sync()`` calls);
@@ -85,7 +88,12 @@ class TrainerSync:
         the storages this rank sends from, which move into shared memory in place at the first sync
         (``transport.mapped``); ``delta``: after a sync
         every rank committed, send only the elements that changed (``transport.delta``; each trainer rank
-        keeps a copy of what it sent, ``SyncStats.delta_state_bytes``; decided by trainer rank 0)."""
+        keeps a copy of what it sent, ``SyncStats.delta_state_bytes``; decided by trainer rank 0). A PEFT
+        LoRA model (``engine.module.peft_config``) syncs, with ``lora="adapter"`` (default), only its adapter's
+        A and B, into a LoRA slot of engines set up with ``setup_engines(..., lora=...)``
+        (``trainer.adapter``); with ``lora="merged"``, its base weights merged with the adapter, into engines
+        without LoRA (``trainer.merged``: each rank merges the base storage it holds; nothing is gathered
+        but A and B)."""
         import torch.distributed as dist
 
         from .storage import watched_storage
@@ -94,14 +102,21 @@ class TrainerSync:
         # views describe the partitions (ds_tensor) either way. A re-attach of a trained engine (after a
         # failed sync, a restarted engine) must not be refused for it.
         adapter = peft_adapter(engine)
+        if lora not in ("adapter", "merged"):
+            raise ValueError(f"lora must be 'adapter' or 'merged', found {lora!r}")
 
         def described() -> tuple[list[TensorMap], dict[str, Any], Any]:
             (m, v), w = watched_storage(engine, state, allow_gathered=True)
-            if adapter is not None:  # a PEFT model: its adapter's A and B only (trainer.adapter)
+            if adapter is not None and lora == "adapter":  # the adapter's A and B only (trainer.adapter)
                 m, v = adapter_storage(m, v, adapter.adapter)
+            elif adapter is not None:  # the base weights, merged with the adapter (trainer.merged)
+                m, v = merged_storage(m, v)
             return m, v, w
 
         maps, sources, watch = described()
+        merged = None
+        if adapter is not None and lora == "merged":
+            merged = MergedSources(engine.module, maps, sources, adapter, dist.get_rank())
         self = cls.connect(
             maps,
             sources,
@@ -117,8 +132,11 @@ class TrainerSync:
             engine=engine,
             shared_memory=shared_memory,
             delta=delta,
-            adapter=None if adapter is None else {"rank": adapter.rank, "scaling": adapter.scaling},
+            adapter=None
+            if adapter is None or merged is not None
+            else {"rank": adapter.rank, "scaling": adapter.scaling},
         )
+        self.merged = merged
 
         # Persistent ZeRO-3 parameters stay gathered between steps; the views are of the partitions.
         self.views = FreshViews(
@@ -233,8 +251,9 @@ class TrainerSync:
         stale = self.views.check()
         if self.views.sources is not self.sources:
             self.sources = dict(self.views.sources)  # re-derived views (same maps)
+        sources = self.sources if self.merged is None else self.merged.refresh(self.sources)
         try:
-            result = self.endpoint.run(self.sources, {}, version, None if stale is None else str(stale))
+            result = self.endpoint.run(sources, {}, version, None if stale is None else str(stale))
         except PlanMismatchError as exc:
             if stale is not None:
                 raise stale from exc

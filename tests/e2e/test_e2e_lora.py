@@ -18,7 +18,8 @@ from testbed.rank_pool import RankContext, RankPool, free_port
 from testbed.trainer_ranks import attach, setup, sync_now, train_step
 from tests.e2e.e2e_steps import TOKEN, TRAINER_ENV
 from tests.harness.vllm_engines import DEFAULT_PROMPTS, LOGITS_KWARGS, shared_spec
-from vllm_plugin.driver import connect_engine, receive_sync, setup_engines
+from tests.vllm.rollout_checks import differing_params, snapshot
+from vllm_plugin.driver import apply_checkpoint, connect_engine, receive_sync, setup_engines
 
 pytestmark = [pytest.mark.vllm, pytest.mark.deepspeed]
 
@@ -46,14 +47,14 @@ def _outputs(llm: Any, request: Any) -> tuple[list[list[int]], list[list[list[fl
     return tokens, logits
 
 
-@pytest.mark.parametrize(("stage", "tp"), [(3, 2), (2, 1)])
+@pytest.mark.parametrize(("stage", "tp", "sharded"), [(3, 2, False), (3, 2, True), (2, 1, False)])
 def test_a_peft_adapter_syncs_into_a_lora_slot_and_serves_as_its_peft_checkpoint_would(
-    tiny_model: Any, vllm_pool: Any, tmp_path: Path, stage: int, tp: int
+    tiny_model: Any, vllm_pool: Any, tmp_path: Path, stage: int, tp: int, sharded: bool
 ):
     from vllm.lora.request import LoRARequest
 
     model = tiny_model("dense")
-    engine = vllm_pool.get(shared_spec(model, tp, **ENGINE))
+    engine = vllm_pool.get(shared_spec(model, tp, **ENGINE, fully_sharded_loras=sharded))
     timeout = 90.0
     try:
         with RankPool(2, env=TRAINER_ENV, timeout=600) as pool:
@@ -75,7 +76,7 @@ def test_a_peft_adapter_syncs_into_a_lora_slot_and_serves_as_its_peft_checkpoint
                 assert [w["version"] for w in workers] == [version] * tp, workers
                 stats = [t["sync"]["stats"] for t in trainer]
                 sent = sum(sum(s["bytes_sent"].values()) + sum(s["bytes_mapped"].values()) for s in stats)
-                stored = _stored_bytes(RANK, model, tp)
+                stored = _stored_bytes(RANK, model, 1 if sharded else tp)
                 assert sent == stored, f"step {step}: {sent} bytes sent, the workers store {stored}"
                 saved = tmp_path / f"adapter-{step}"
                 pool.call(_save_adapter, str(saved))
@@ -88,10 +89,11 @@ def test_a_peft_adapter_syncs_into_a_lora_slot_and_serves_as_its_peft_checkpoint
         vllm_pool.discard(engine)  # a slot stays pinned to the synced adapter
 
 
-def _stored_bytes(rank: int, model: Path, tp: int) -> int:
-    """Bytes (bf16) of A and B that the engine's workers store together: vLLM keeps a column-parallel
-    layer's A (``q/k/v/gate/up_proj``) and a row-parallel layer's B (``o/down_proj``) whole on every TP rank
-    and splits the other by TP. Each of those elements moves once, from the trainer rank that stores it."""
+def _stored_bytes(rank: int, model: Path, copies: int) -> int:
+    """Bytes (bf16) of A and B that the engine's workers store together: by default vLLM keeps a
+    column-parallel layer's A (``q/k/v/gate/up_proj``) and a row-parallel layer's B (``o/down_proj``) whole
+    on each of its ``copies`` TP ranks and splits the other by TP (with ``fully_sharded_loras`` it splits
+    both: ``copies`` 1). Each of those elements moves once, from the trainer rank that stores it."""
     from rollout_sync.rollout.checkpoint import logical_tensors
 
     total = 0
@@ -101,7 +103,7 @@ def _stored_bytes(rank: int, model: Path, tp: int) -> int:
         out, inp = shape
         row_parallel = name.endswith(("o_proj.weight", "down_proj.weight"))
         a, b = rank * inp, out * rank
-        total += 2 * (a + b * tp if row_parallel else a * tp + b)
+        total += 2 * (a + b * copies if row_parallel else a * copies + b)
     return total
 
 
@@ -155,5 +157,84 @@ def test_a_failed_adapter_sync_leaves_the_previous_adapter_serving(
             )
             assert engine.llm.get_weight_version() == "1"
             assert _outputs(engine.llm, request) == good
+    finally:
+        vllm_pool.discard(engine)
+
+
+def _save_merged(ctx: RankContext, out: str, model_dir: str) -> None:
+    from testbed.checkpoints import save_merged
+
+    save_merged(ctx.state["engine"], LORA, model_dir, out)
+
+
+@pytest.mark.parametrize(("stage", "tp"), [(3, 2), (2, 1)])
+def test_a_merged_sync_gives_an_engine_without_lora_peft_s_merge_and_unload_bit_for_bit(
+    tiny_model: Any, vllm_pool: Any, tmp_path: Path, stage: int, tp: int
+):
+    """``lora="merged"``: each trainer rank merges the base storage it holds with the (gathered) A and B and
+    sends that; after every sync, writing PEFT's own ``merge_and_unload`` of DeepSpeed's gathered weights
+    into the engine through vLLM's loaders changes no bit, and the greedy tokens are those of the base
+    model changed by the adapter."""
+    model = tiny_model("dense")
+    engine = vllm_pool.get(shared_spec(model, tp))
+    timeout = 90.0
+    try:
+        with RankPool(2, env=TRAINER_ENV, timeout=600) as pool:
+            pool.call(setup, DeepSpeedSpec("dense", stage, lora=LORA), str(model))
+            setup_engines([engine], first_rank=2)
+            # where vLLM packs its linear layers (AVX-512, AMX) their weights are empty: digest the loaded
+            # form each write makes instead (none where it keeps plain weights)
+            packed = engine.collective_rpc("rollout_sync_record_loaded", args=(True,))[0]
+            address = f"tcp://127.0.0.1:{free_port()}"
+            pending = pool.submit(
+                attach, address, TOKEN, 1, 1, "balanced", timeout, None, True, False, "gloo", "merged"
+            )
+            connect_engine(engine, address, 0, token=TOKEN, timeout=timeout)
+            pending.result(timeout * 2)
+            base = snapshot(engine)
+            for step in range(1, 3):
+                pending = pool.submit(train_step, step)
+                workers = receive_sync([engine.llm])[0]
+                trainer = pending.result(timeout * 2)
+                assert [w["version"] for w in workers] == [trainer[0]["sync"]["version"]] * tp
+                synced = snapshot(engine)
+                merged = tmp_path / f"merged-{step}"
+                pool.call(_save_merged, str(merged), str(model))
+                apply_checkpoint([engine], str(merged))
+                reapplied = snapshot(engine)
+                assert differing_params(synced, reapplied) == [], f"step {step}: PEFT's merge differs"
+                assert synced.loaded == reapplied.loaded, f"step {step}: a packed layer differs"
+                assert all(len(d) == packed for d in synced.loaded)
+                assert synced.tokens == reapplied.tokens
+                assert synced.tokens != base.tokens, f"step {step}: the merge changed nothing"
+    finally:
+        vllm_pool.discard(engine)  # it records loaded forms
+
+
+def test_what_an_engine_cannot_serve_is_refused_at_setup_and_a_mismatched_adapter_at_the_handshake(
+    tiny_model: Any, vllm_pool: Any
+):
+    """Refused before any byte moves, naming what was wrong: a rank above the engine's ``max_lora_rank`` and a
+    target module it does not serve as LoRA (at setup, on every worker); an engine set up for another
+    scaling than the trainer's adapter (at the handshake, on every rank)."""
+    from rollout_sync.errors import PeerFailedError
+
+    model = tiny_model("dense")
+    engine = vllm_pool.get(shared_spec(model, 1, **ENGINE))
+    spec = adapter_config({"default": {"peft_type": "LORA", **LORA}}).spec("policy", SYNCED_ID)
+    try:
+        with pytest.raises(PeerFailedError, match="max_lora_rank"):
+            setup_engines([engine], first_rank=2, lora={**spec, "rank": 2 * RANK})
+        with pytest.raises(PeerFailedError, match=r"does not serve as LoRA.*'lm_head'"):
+            setup_engines([engine], first_rank=2, lora={**spec, "target_modules": ["o_proj", "lm_head"]})
+        with RankPool(2, env=TRAINER_ENV, timeout=600) as pool:
+            pool.call(setup, DeepSpeedSpec("dense", 2, lora=LORA), str(model))
+            setup_engines([engine], first_rank=2, lora={**spec, "scaling": 1.0})
+            address = f"tcp://127.0.0.1:{free_port()}"
+            pending = pool.submit(attach, address, TOKEN, 1, 1, "balanced", 30.0)
+            with pytest.raises(PeerFailedError, match="another LoRA adapter"):
+                connect_engine(engine, address, 0, token=TOKEN, timeout=30.0)
+            with pytest.raises(Exception, match="another LoRA adapter"):
+                pending.result(60)
     finally:
         vllm_pool.discard(engine)
