@@ -8,10 +8,10 @@ per piece of the storage (a box of ``W``), ``W_box + delta[box]`` with ``delta =
 s).to(B.dtype)``: the arithmetic and order of PEFT's ``LoraLayer.get_delta_weight`` on CPU (bf16/fp16 cast
 to fp32 for the product, scaled, cast back), then ``merge``'s ``weight += delta`` (``merge_and_unload``).
 
-The product is computed whole, of the same shape as PEFT's: a GEMM gives a row (or column) other bits as
-part of a smaller product than of the whole one (measured on this project's CPUs with torch's MKL: row and
-column blocks of ``B @ A`` differ from the whole product's in the last bit), so a rank that multiplied
-only the rows it stores would not match PEFT bit for bit. Equality also assumes the GEMM gives the same bits
+The product is computed whole, of the same shape as PEFT's: torch's CPU GEMM gives a row other bits alone
+than as part of the whole product (measured: one row of ``B @ A`` computed alone, the first or last row of
+a ZeRO-3 partition, differs in the last fp32 bit; ``tests/unit/test_lora_merged.py`` catches it in fp32),
+so a rank that multiplied only the rows it stores would not match PEFT bit for bit. Equality also assumes the GEMM gives the same bits
 in the trainer process as where PEFT's merge runs (the same library and thread count).
 
 Memory: the merged buffers are kept between syncs, one per adapted base weight this rank stores (this rank's
