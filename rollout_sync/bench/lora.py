@@ -14,8 +14,11 @@ Qwen3-0.6B's shapes (``testbed.shaped_models``), a PEFT LoRA adapter of rank 16 
   send every merged base weight (here broadcast from rank 0 to the engine's workers, which load each
   through vLLM's ``load_weights``, as the OpenRLHF-style baseline of ``bench sync``), ``unmerge_adapter``;
   into an engine without LoRA, as TRL runs it.
-- **merged** row (vLLM's base weights become ``W + s·B·A`` without gathering the base): not built yet;
-  the row says so (``ours_s`` null).
+- **merged** row: vLLM's base weights become ``W + s·B·A``, into the engine without LoRA the baseline uses
+  (``attach(..., lora="merged")``: each trainer rank merges the base storage it holds; ``trainer.merged``);
+  ``equal``: writing PEFT's own ``merge_and_unload`` of DeepSpeed's gathered weights into the engine
+  afterwards changes no weight, no packed layer's loaded form and no logit. ``trainer_extra_bytes``
+  includes the merged buffers a rank keeps between syncs (``trainer_kept_bytes``).
 
 Keys per row: ``mode``, ``ours_s``, ``baseline_s``, ``speedup``, ``bytes_moved`` (ours: bytes the trainer
 ranks sent), ``baseline_bytes_moved``, ``adapter_bytes`` (A and B once), ``trainer_extra_bytes`` and
@@ -192,6 +195,59 @@ def _ours(
     return {"seconds": seconds, "reports": reports, "equal": synced == loaded, "sharded": sharded}
 
 
+def merged_kept_bytes(ctx: RankContext) -> int:
+    merged = ctx.state["sync"].merged
+    return 0 if merged is None else int(merged.bytes)
+
+
+def save_merged(ctx: RankContext, out: str, model_dir: str) -> None:
+    from testbed.checkpoints import save_merged as save
+
+    save(ctx.state["engine"], LORA, model_dir, out)
+
+
+def _ours_merged(
+    pool: Any, llm: Any, model: Path, workdir: Path, warmup: int, syncs: int, timeout: float
+) -> dict[str, Any]:
+    """Merged syncs into ``llm`` (set up, without LoRA); ``equal``: writing PEFT's own ``merge_and_unload``
+    of DeepSpeed's gathered weights through vLLM's loaders afterwards changes no weight, no loaded form of
+    a packed layer and no logit."""
+    from testbed.rank_pool import free_port
+    from testbed.trainer_ranks import attach
+    from vllm_plugin.driver import apply_checkpoint, weight_digests
+
+    from .sync import _logits
+
+    llm.collective_rpc("rollout_sync_record_loaded", args=(True,))
+    address = f"tcp://127.0.0.1:{free_port()}"
+    pending = pool.submit(
+        attach, address, TOKEN, 1, None, "balanced", timeout, None, False, False, "gloo", "merged"
+    )
+    llm.collective_rpc(
+        "rollout_sync_connect", kwargs={"address": address, "engine": 0, "token": TOKEN, "timeout": timeout}
+    )
+    pending.result(timeout * 2)
+
+    def once(i: int) -> list[dict[str, Any]]:
+        pending = pool.submit(ours_sync, i + 1)
+        llm.collective_rpc("rollout_sync_bench_receive")
+        llm.reset_prefix_cache()
+        return list(pending.result(timeout * 4))
+
+    seconds, reports = _timed("merged ours", once, warmup, syncs, pool)
+    kept = max(pool.call(merged_kept_bytes))
+    synced = (weight_digests(llm), llm.collective_rpc("rollout_sync_loaded_digests"), _logits(llm))
+    checkpoint = workdir / "bench-lora-merged"
+    pool.call(save_merged, str(checkpoint), str(model))
+    apply_checkpoint([llm], str(checkpoint))
+    written = (weight_digests(llm), llm.collective_rpc("rollout_sync_loaded_digests"), _logits(llm))
+    equal = synced == written
+    _log(f"merged ours {seconds:.3f} s; equal to PEFT's merge_and_unload: {equal}; kept {kept / 1e6:.1f} MB")
+    llm.collective_rpc("rollout_sync_record_loaded", args=(False,))
+    pool.call(detach)
+    return {"seconds": seconds, "reports": reports, "equal": equal, "kept_bytes": kept}
+
+
 def run(model: Path, workdir: Path, *, warmup: int, syncs: int, timeout: float) -> list[dict[str, Any]]:
     from rollout_sync.trainer.adapter import adapter_config
     from testbed.deepspeed import DeepSpeedSpec
@@ -216,6 +272,7 @@ def run(model: Path, workdir: Path, *, warmup: int, syncs: int, timeout: float) 
         llm, pids = start_engine(model)
         try:
             setup_engines([llm], first_rank=TRAINERS)
+            merged = _ours_merged(pool, llm, model, workdir, warmup, syncs, timeout)
             port = free_port()
             world = 1 + TP
             pending = pool.submit(baseline_connect, "127.0.0.1", port, world, timeout)
@@ -226,7 +283,7 @@ def run(model: Path, workdir: Path, *, warmup: int, syncs: int, timeout: float) 
             def baseline_once(i: int) -> list[dict[str, Any]]:
                 pending = pool.submit(trl_peft_sync)
                 llm.collective_rpc("openrlhf_baseline_receive", args=(specs,))
-                return pending.result(timeout * 8)
+                return list(pending.result(timeout * 8))
 
             baseline_s, baseline = _timed("TRL PEFT baseline", baseline_once, warmup, syncs, pool)
         finally:
@@ -254,9 +311,19 @@ def run(model: Path, workdir: Path, *, warmup: int, syncs: int, timeout: float) 
         *rows,
         {
             "mode": "merged",
-            "ours_s": None,
+            "ours_s": round(merged["seconds"], 4),
             "baseline_s": round(baseline_s, 4),
-            "missing": "merged mode (W + s·B·A computed per trainer partition) is not built yet",
+            "speedup": round(baseline_s / merged["seconds"], 2),
+            "bytes_moved": max(sum(int(r["bytes_sent"]) for r in sync) for sync in merged["reports"]),
+            "baseline_bytes_moved": baseline_moved,
+            "adapter_bytes": adapter_bytes,
+            # the merged buffers kept between syncs (allocated at attach) and the sync's own high-water mark
+            "trainer_extra_bytes": max(
+                int(r["extra_bytes"]) + merged["kept_bytes"] for sync in merged["reports"] for r in sync
+            ),
+            "trainer_kept_bytes": merged["kept_bytes"],
+            "baseline_trainer_extra_bytes": baseline_extra,
+            "equal": bool(merged["equal"]),
         },
     ]
 
@@ -291,11 +358,10 @@ def main(argv: list[str] | None = None) -> int:
     model = make_shaped_model(MODEL_KIND, args.workdir / MODEL_KIND)
     rows = run(model, args.workdir, warmup=args.warmup, syncs=args.syncs, timeout=args.timeout)
     for r in rows:
-        if r["ours_s"] is None:
-            print(f"{r['mode']:8} ours: missing ({r['missing']}); baseline {r['baseline_s']:.3f} s")
-            continue
+        sharded = r.get("fully_sharded_loras")
+        engine = "no LoRA" if sharded is None else "fully sharded" if sharded else "default"
         print(
-            f"{r['mode']:8} {'fully sharded' if r['fully_sharded_loras'] else 'default':13} ours {r['ours_s']:.3f} s, baseline {r['baseline_s']:.3f} s ({r['speedup']}x); moved "
+            f"{r['mode']:8} {engine:13} ours {r['ours_s']:.3f} s, baseline {r['baseline_s']:.3f} s ({r['speedup']}x); moved "
             f"{r['bytes_moved'] / 1e6:.1f} MB ({r['bytes_moved'] / r['adapter_bytes']:.2f}x the adapter's "
             f"{r['adapter_bytes'] / 1e6:.1f} MB) against {r['baseline_bytes_moved'] / 1e6:.1f} MB; trainer extra "
             f"{r['trainer_extra_bytes'] / 1e6:.1f} MB against {r['baseline_trainer_extra_bytes'] / 1e6:.1f} MB; "

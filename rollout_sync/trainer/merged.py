@@ -94,6 +94,7 @@ class MergedSources:
         rank: int,
     ) -> None:
         self.scaling = config.scaling
+        self.scratch: dict[str, torch.Tensor] = {}  # the product and the delta of the module being merged
         params = dict(module.named_parameters())
         by_name = {m.name: m for m in maps}
         self.adapted: list[_Adapted] = []
@@ -121,9 +122,19 @@ class MergedSources:
                 pieces = storage.pieces
             self.adapted.append(_Adapted(name, a, b, pieces, merged))
 
+    def _scratch(self, what: str, dtype: torch.dtype, shape: tuple[int, int]) -> torch.Tensor:
+        """A buffer for ``what`` of ``shape``, cut from one kept for the largest module merged so far."""
+        n = shape[0] * shape[1]
+        buf = self.scratch.get(what)
+        if buf is None or buf.dtype != dtype or buf.numel() < n:
+            buf = self.scratch[what] = torch.empty(n, dtype=dtype)
+        return buf[:n].view(shape)
+
     @property
     def bytes(self) -> int:
-        return sum(x.merged.numel() * x.merged.element_size() for x in self.adapted)
+        """Bytes this rank keeps between syncs: the merged buffers and the scratch of the largest module."""
+        kept = [x.merged for x in self.adapted] + list(self.scratch.values())
+        return sum(t.numel() * t.element_size() for t in kept)
 
     def refresh(self, sources: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """This rank's sources with every adapted base weight's storage replaced by its merged values.
@@ -138,11 +149,16 @@ class MergedSources:
                     a, b = x.a.data, x.b.data
                     # PEFT's get_delta_weight: bf16/fp16 adapters on CPU multiply in fp32, cast back to B's dtype
                     fp32 = b.device.type == "cpu" and b.dtype in (torch.float16, torch.bfloat16)
-                    # the whole product, as PEFT computes it: a GEMM gives a row or column other bits as
-                    # part of a smaller product (measured: MKL on CPU), so no rank multiplies only its rows
-                    full = ((b.float() @ a.float()) if fp32 else (b @ a)) * self.scaling
-                    delta_full = full.to(b.dtype)
-                    del full
+                    # the whole product, as PEFT computes it (see the module doc), into buffers kept between
+                    # syncs (fresh ones would fault their pages in at every sync)
+                    shape = (b.shape[0], a.shape[1])
+                    product = self._scratch("product", torch.float32 if fp32 else b.dtype, shape)
+                    torch.matmul(b.float() if fp32 else b, a.float() if fp32 else a, out=product)
+                    product.mul_(self.scaling)
+                    delta_full = product
+                    if fp32:
+                        delta_full = self._scratch("delta", b.dtype, shape)
+                        delta_full.copy_(product)
                     for p in x.pieces:
                         (r0, c0), (rows, cols) = p.box.origin, p.box.extent
                         delta = delta_full[r0 : r0 + rows, c0 : c0 + cols]
@@ -152,6 +168,6 @@ class MergedSources:
                         dst = torch.as_strided(
                             x.merged, p.box.extent, p.strides, x.merged.storage_offset() + p.offset
                         )
-                        dst.copy_(base + delta)  # merge's ``weight += delta``
+                        torch.add(base, delta, out=dst)  # merge's ``weight += delta``
                 out[x.name] = x.merged
         return out
