@@ -51,6 +51,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--grad-accum", type=int, default=1, help="gradient accumulation steps")
     ap.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "rollout-sync-trl"))
     ap.add_argument("--verify", action="store_true", help="check after each sync that vLLM holds the weights")
+    ap.add_argument(
+        "--peft", action="store_true", help="train a LoRA adapter (PEFT); vLLM gets merged weights"
+    )
     return ap.parse_args(argv)
 
 
@@ -105,11 +108,17 @@ def main(argv: list[str] | None = None) -> int:
         seed=0,
         model_init_kwargs={"dtype": torch.float32},
     )
+    peft_config = None
+    if args.peft:
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", lora_dropout=0.0)
     trainer = GRPOTrainer(
         model=str(model),
         reward_funcs=reward,
         args=config,
         train_dataset=Dataset.from_dict({"prompt": prompts}),
+        peft_config=peft_config,
     )
     started = time.perf_counter()
     trainer.train()

@@ -137,21 +137,33 @@ def save_adapter(engine: Any, out: str | Path) -> list[str]:
     return sorted(adapter)
 
 
-def save_merged(engine: Any, lora: Mapping[str, Any], model_dir: str | Path, out: str | Path) -> Path | None:
+def save_merged(engine: Any, model_dir: str | Path, out: str | Path) -> Path | None:
     """PEFT's own ``merge_and_unload`` of the trainer's model as a checkpoint: every parameter gathered with
-    DeepSpeed's own gathers, loaded on rank 0 into a fresh PEFT model of the same ``lora`` config, merged
-    and unloaded by PEFT, saved under checkpoint names. Collective; rank 0 writes (returns the path)."""
+    DeepSpeed's own gathers, loaded on rank 0 into a fresh PEFT model with the engine's own LoRA config (in
+    the dtype the trainer holds them), merged and unloaded by PEFT, saved under checkpoint names.
+    Collective; rank 0 writes (returns the path)."""
+    import copy
+
     import torch.distributed as dist
-    from peft import LoraConfig, get_peft_model
+    from peft import get_peft_model
     from transformers import AutoModelForCausalLM
 
     full = {name: local_param(p) for name, p in engine.module.named_parameters()}
     if dist.get_rank() != 0:
         return None
     dtype = next(iter(full.values())).dtype
-    model = get_peft_model(
-        AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype), LoraConfig(**dict(lora))
-    ).to(dtype)  # PEFT makes adapters fp32; the trainer (DeepSpeed bf16) holds them in ``dtype``
+    config = copy.deepcopy(engine.module.peft_config["default"])
+    import transformers.integrations.deepspeed as hf_deepspeed
+
+    # inside accelerate's ZeRO-3 job from_pretrained would build under zero.Init (collective): not here
+    zero3 = hf_deepspeed._hf_deepspeed_config_weak_ref
+    hf_deepspeed._hf_deepspeed_config_weak_ref = None
+    try:
+        base = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype)
+    finally:
+        hf_deepspeed._hf_deepspeed_config_weak_ref = zero3
+    # PEFT makes adapters fp32; the trainer (DeepSpeed bf16) holds them in ``dtype``
+    model = get_peft_model(base, config).to(dtype)
     missing, unexpected = model.load_state_dict(full, strict=False)
     if unexpected or any(".lora_" in n or "base_layer" in n for n in missing):
         raise RuntimeError(f"gathered parameters do not fit the PEFT model: {missing[:3]} {unexpected[:3]}")

@@ -19,13 +19,16 @@ def verify_last_sync(sync: Any, model_dir: str | Path, out: str | Path) -> tuple
     process found its engines unchanged, and this process's changed parameter names."""
     import torch.distributed as dist
 
-    from .checkpoints import full_logical_tensors, save_checkpoint
+    from .checkpoints import full_logical_tensors, save_checkpoint, save_merged
 
     version = sync.history[-1].version
-    full = full_logical_tensors(sync.engine)
     path = Path(out) / f"v{version}"
-    if dist.get_rank() == 0:
-        save_checkpoint(full, model_dir, path)
+    if getattr(sync.engine.module, "peft_config", None):  # a PEFT model syncs merged: PEFT's own merge
+        save_merged(sync.engine, model_dir, path)
+    else:
+        full = full_logical_tensors(sync.engine)
+        if dist.get_rank() == 0:
+            save_checkpoint(full, model_dir, path)
     dist.barrier()
     changed = sync.rollout.changed_by(str(path))
     every: list[Any] = [None] * dist.get_world_size()

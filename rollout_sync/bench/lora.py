@@ -203,7 +203,7 @@ def merged_kept_bytes(ctx: RankContext) -> int:
 def save_merged(ctx: RankContext, out: str, model_dir: str) -> None:
     from testbed.checkpoints import save_merged as save
 
-    save(ctx.state["engine"], LORA, model_dir, out)
+    save(ctx.state["engine"], model_dir, out)
 
 
 def _ours_merged(

@@ -7,7 +7,7 @@ When training begins (accelerate has built the DeepSpeed engine by then) every p
 once, so the engines start from exactly the trainer's weights; then it syncs after every optimizer step
 (``on_step_end``: after the last micro-batch of a gradient-accumulation cycle, not after each micro-batch).
 The trainer is needed for its accelerator: callbacks are handed the bare module, not the DeepSpeed engine.
-Refused at train begin on every process, naming what was found: PEFT models, FSDP or any non-DeepSpeed
+Refused at train begin on every process, naming what was found: FSDP or any non-DeepSpeed
 setup. ``callback.sync`` is the ``WeightSync`` (``history``, ``summary()``, ``after_sync`` hooks,
 ``detach()`` when the engines are done with).
 """
@@ -19,7 +19,7 @@ from typing import Any
 from transformers import TrainerCallback
 
 from .engines import RolloutSide
-from .weight_sync import WeightSync, check_trainer, deepspeed_engine, is_peft
+from .weight_sync import WeightSync, check_trainer, deepspeed_engine
 
 __all__ = ["RolloutSyncCallback"]
 
@@ -32,9 +32,7 @@ class RolloutSyncCallback(TrainerCallback):  # type: ignore[misc]
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         accelerator = self.trainer.accelerator
         engine = deepspeed_engine(accelerator)
-        check_trainer(
-            engine, distributed_type=str(accelerator.distributed_type), peft=is_peft(self.trainer.model)
-        )
+        check_trainer(engine, distributed_type=str(accelerator.distributed_type))
         if not self.sync.attached:
             self.sync.attach(engine)
         self.sync.sync(int(state.global_step))

@@ -21,8 +21,10 @@ then each call sends each rank's own shard straight into the vLLM workers that s
   process's trainer rank stores and its worker needs are copied in process, only the rest moves between
   processes.
 
-Refused at the first sync on every rank, before any byte moves: PEFT models, FSDP or any non-DeepSpeed
-setup, vLLM's sleep mode (it frees and re-allocates the weights the maps point into).
+Refused at the first sync on every rank, before any byte moves: FSDP or any non-DeepSpeed setup, vLLM's
+sleep mode (it frees and re-allocates the weights the maps point into). A PEFT model (``peft_config``)
+syncs merged: each rank merges the base weights it stores with the adapter (``rollout_sync.trainer.merged``),
+where TRL gathers the whole model on every rank to merge it.
 
 Other Trainer-based loops: ``rollout_sync.integrations.trainer_callback.RolloutSyncCallback``.
 """
@@ -34,7 +36,7 @@ from typing import Any
 from ..errors import UnsupportedLayoutError
 from ..transport import DEFAULT_STAGING_CAP_BYTES
 from .engines import ColocatedRollout, RolloutSide, ServedRollout
-from .weight_sync import WeightSync, check_trainer, deepspeed_engine, is_peft
+from .weight_sync import WeightSync, check_trainer, deepspeed_engine
 
 __all__ = ["TrlWeightSync", "rollout_side", "use_rollout_sync"]
 
@@ -47,11 +49,7 @@ class TrlWeightSync(WeightSync):
         accelerator = generation.accelerator
         if not self.attached:
             engine = deepspeed_engine(accelerator)
-            check_trainer(
-                engine,
-                distributed_type=str(accelerator.distributed_type),
-                peft=is_peft(generation.model),
-            )
+            check_trainer(engine, distributed_type=str(accelerator.distributed_type))
             if getattr(generation, "enable_sleep_mode", False):
                 raise UnsupportedLayoutError(
                     "rollout-sync does not sync into a vLLM engine in sleep mode yet (vllm_enable_sleep_mode: "

@@ -8,7 +8,9 @@ the weights: each trainer rank sends its half while the rollout side receives, a
 of the group has committed.
 
 Refused before any byte moves, naming what was found: a model that is not a DeepSpeed engine (FSDP, DDP,
-a bare module), a PEFT model (its adapters are not merged into the weights vLLM serves).
+a bare module). A PEFT LoRA model syncs merged (``TrainerSync.attach(..., lora="merged")``): the engines a
+framework starts have no LoRA, so they get the base weights merged with the adapter, as the framework's own
+sync gives them (without gathering the base weights).
 """
 
 from __future__ import annotations
@@ -42,13 +44,8 @@ def is_peft(model: Any) -> bool:
     return bool(is_peft_model(model))
 
 
-def check_trainer(engine: Any, *, distributed_type: str = "DEEPSPEED", peft: bool = False) -> None:
+def check_trainer(engine: Any, *, distributed_type: str = "DEEPSPEED") -> None:
     """Refuse what the integration does not handle, naming it (pure: no process group)."""
-    if peft:
-        raise UnsupportedLayoutError(
-            "rollout-sync does not sync PEFT/LoRA models yet: vLLM serves the merged weights, which no "
-            "DeepSpeed rank stores (found a PEFT model)"
-        )
     if str(distributed_type).upper().removeprefix("DISTRIBUTEDTYPE.") != "DEEPSPEED":
         raise UnsupportedLayoutError(
             f"rollout-sync syncs from DeepSpeed engines (ZeRO 0-3, AutoTP, AutoEP); found distributed type "
@@ -162,6 +159,7 @@ class WeightSync:
                 timeout=self.timeout,
                 state=self.state,
                 delta=self.delta,
+                lora="merged",  # a PEFT model: the framework's engines have no LoRA (else unused)
             )
         self.engine = engine
         self.setup = {

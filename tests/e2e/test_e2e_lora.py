@@ -164,7 +164,7 @@ def test_a_failed_adapter_sync_leaves_the_previous_adapter_serving(
 def _save_merged(ctx: RankContext, out: str, model_dir: str) -> None:
     from testbed.checkpoints import save_merged
 
-    save_merged(ctx.state["engine"], LORA, model_dir, out)
+    save_merged(ctx.state["engine"], model_dir, out)
 
 
 @pytest.mark.parametrize(("stage", "tp"), [(3, 2), (2, 1)])

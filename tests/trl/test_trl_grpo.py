@@ -70,6 +70,15 @@ def test_colocate(tmp_path, zero):
         assert out["in_process_bytes"] > 0 and out["bytes_sent"] + out["mapped_bytes"] > 0, out
 
 
+@pytest.mark.parametrize("zero", [3, 2])
+def test_colocate_with_a_peft_adapter_syncs_the_merged_weights(tmp_path, zero):
+    """GRPO with ``peft_config`` (LoRA on every linear layer): TRL's engines have no LoRA, so each sync sends
+    the base weights merged with the adapter, each rank merging what it stores; after every sync, writing
+    PEFT's own ``merge_and_unload`` of DeepSpeed's gathered weights into vLLM changes no bit."""
+    out = run_example(tmp_path, zero, "colocate", "--steps", "2", "--peft")
+    assert out["all_verified"] and out["syncs"] == 2 and out["verified"] == 2, out
+
+
 def test_colocate_gradient_accumulation(tmp_path):
     """Two micro-batches per optimizer step: still one sync per global step (TRL's step guard)."""
     out = run_example(tmp_path, 3, "colocate", "--steps", "2", "--grad-accum", "2")
@@ -83,6 +92,12 @@ def test_server(tmp_path, server, tiny_model, zero):
     assert out["all_verified"] and out["syncs"] == 3 and out["verified"] == 3, out
     assert out["engines"] == 1 and out["in_process_bytes"] == 0, out
     assert out["bytes_sent"] + out["mapped_bytes"] > 0, out  # messages, or mapped (same host)
+    assert server.engine.weight_version() == str(out["version"])
+
+
+def test_server_with_a_peft_adapter_syncs_the_merged_weights(tmp_path, server):
+    out = run_example(tmp_path, 3, "server", "--steps", "2", "--server-url", server.engine.url, "--peft")
+    assert out["all_verified"] and out["syncs"] == 2 and out["verified"] == 2, out
     assert server.engine.weight_version() == str(out["version"])
 
 

@@ -112,8 +112,6 @@ class _Engine:
 
 def test_trainer_refusals_name_what_was_found():
     check_trainer(_Engine(), distributed_type="DistributedType.DEEPSPEED")
-    with pytest.raises(UnsupportedLayoutError, match="PEFT"):
-        check_trainer(_Engine(), distributed_type="DEEPSPEED", peft=True)
     with pytest.raises(UnsupportedLayoutError, match="FSDP"):
         check_trainer(None, distributed_type="DistributedType.FSDP")
     with pytest.raises(UnsupportedLayoutError, match="found Module"):
