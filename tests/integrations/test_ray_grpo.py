@@ -63,8 +63,14 @@ def ray_cluster(hosts: Hosts, tmp: Path, env: dict[str, str]) -> list[subprocess
     procs.append(
         hosts.run("b", worker_cmd, env=env, stdout=(tmp / "worker.log").open("wb"), stderr=subprocess.STDOUT)
     )
-    probe = "import ray,time\nray.init(address='auto')\nd=time.time()+120\nwhile len([n for n in ray.nodes() if n['Alive']])<2 and time.time()<d: time.sleep(1)\nprint(len([n for n in ray.nodes() if n['Alive']]))"
-    alive = hosts.exec("a", [sys.executable, "-c", probe], timeout=180, env=env).strip().splitlines()[-1]
+    # the head may take longer than the sleep above to come up on a busy machine: retry until it answers
+    probe = (
+        "import ray,time\nd=time.time()+150\nwhile True:\n    try:\n        ray.init(address='auto')\n"
+        "        break\n    except ConnectionError:\n        if time.time()>d: raise\n        time.sleep(1)\n"
+        "while len([n for n in ray.nodes() if n['Alive']])<2 and time.time()<d: time.sleep(1)\n"
+        "print(len([n for n in ray.nodes() if n['Alive']]))"
+    )
+    alive = hosts.exec("a", [sys.executable, "-c", probe], timeout=200, env=env).strip().splitlines()[-1]
     assert alive == "2", (tmp / "head.log").read_text(errors="replace")[-2000:]
     return procs
 
