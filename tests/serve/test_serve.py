@@ -19,7 +19,10 @@ on it, and both leave the servers bit for bit equal to the trainer. The servers 
 
 from __future__ import annotations
 
+import json
+import threading
 import time
+import urllib.request
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -207,14 +210,50 @@ def test_two_served_engines_at_tp_2_synced_in_one_step_equal_a_fresh_server_load
         assert digests(e) == want_digests, e.name
 
 
+def stream_greedy(
+    engine: ServerEngine, prompt: list[int], max_tokens: int, started: threading.Event
+) -> list[tuple[int, float]]:
+    """A streamed greedy completion: every token id with the time its chunk arrived; ``started`` is set at the
+    first token (the request is then running on the server)."""
+    body = {
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+        "stream": True,
+    }
+    req = urllib.request.Request(
+        engine.url + "/v1/completions",
+        data=json.dumps(body).encode(),
+        method="POST",
+        headers={"Content-Type": "application/json"},
+    )
+    got: list[tuple[int, float]] = []
+    with urllib.request.urlopen(req, timeout=120) as resp:
+        for raw in resp:
+            line = raw.decode().strip()
+            if not line.startswith("data:") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[len("data:") :])
+            now = time.monotonic()
+            got += [(int(t), now) for t in chunk["choices"][0].get("token_ids") or []]
+            if got:
+                started.set()
+    return got
+
+
 def test_a_sync_in_keep_mode_freezes_a_request_in_flight_which_then_completes(
     servers: list[Server], trainer: Trainer
 ) -> None:
     """``receive(mode="keep")`` passes vLLM's keep mode to ``/pause``: a long completion in flight is frozen,
-    not aborted, and returns every token it asked for once the servers resume on the new version."""
+    not aborted, and returns every token it asked for once the servers resume on the new version. The
+    completion is streamed and the sync starts once its first token arrived, so it is in flight however fast
+    the machine decodes (a fixed head start let it finish before the pause on a fast CI machine)."""
     engines = [s.engine for s in servers]
     paused_at: list[float] = []
     request = engines[1].request
+    started = threading.Event()
 
     def timed_request(path: str, body: Any = None, timeout: float | None = None) -> Any:
         answer = request(path, body, timeout)
@@ -222,20 +261,17 @@ def test_a_sync_in_keep_mode_freezes_a_request_in_flight_which_then_completes(
             paused_at.append(time.monotonic())  # from here the server's requests are frozen
         return answer
 
-    def complete() -> tuple[list[int], float]:
-        (tokens,) = engines[1].complete_greedy([DEFAULT_PROMPTS[0]], 240)
-        return tokens, time.monotonic()
-
     with ThreadPoolExecutor(1) as pool, mock.patch.object(engines[1], "request", timed_request):
-        running = pool.submit(complete)
-        time.sleep(0.3)
+        running = pool.submit(stream_greedy, engines[1], list(DEFAULT_PROMPTS[0]), 240, started)
+        assert started.wait(120), "the streamed completion produced no token"
         pending, receives = step_and_receive(trainer, engines, mode="keep")
         reports = [r.result(SYNC_TIMEOUT * 3) for r in receives]
         version = pending.result(SYNC_TIMEOUT * 3)[0]["sync"]["version"]
-        tokens, finished_at = running.result(120)
-    assert len(tokens) == 240  # frozen, then finished: no token lost
-    # Finished after the pause returned: it was frozen across the sync (a request done before would be earlier).
-    assert len(paused_at) == 1 and finished_at > paused_at[0], "the request was not in flight across the sync"
+        streamed = running.result(120)
+    assert len(streamed) == 240  # frozen, then finished: no token lost
+    # Tokens arrived on both sides of the pause: it was in flight across the sync.
+    assert len(paused_at) == 1, paused_at
+    assert streamed[0][1] < paused_at[0] < streamed[-1][1], "the request was not in flight across the sync"
     assert [[w["version"] for w in r] for r in reports] == [[version] * 2] * 2
     assert [e.weight_version() for e in engines] == [str(version)] * 2
 
