@@ -16,11 +16,67 @@ Where a thing lives (one rule per folder):
 - ``integrations/``: TRL and transformers' ``Trainer``.
 - ``scale/``: the shape-only dry run behind ``rollout-sync plan``.
 - ``interop/``: conversion to DeepSpeed's affine IR.
-- ``bench/``: the benchmarks (``python -m rollout_sync.bench``), run from a checkout; not installed, and
-  nothing else imports them. What tests, examples and benchmarks share is ``testbed/`` beside the package.
+The benchmarks live in the checkout's top-level ``benchmarks/`` (``python -m benchmarks``; ``bench/`` here
+only forwards its old name); neither they nor ``testbed/`` (what tests, examples and benchmarks share) are
+installed, and no product module imports them.
 
 DeepSpeed is imported only on the trainer side, and only when an engine is read: a vLLM host installs the
 package without it (extra ``[rollout]``; the trainer installs ``[trainer]``).
 """
 
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from .errors import LayoutError, PeerFailedError, RolloutSyncError, SyncTimeoutError
+
+if TYPE_CHECKING:
+    from vllm_plugin.driver import connect_engine, receive_sync, setup_engines
+    from vllm_plugin.http_driver import ServerEngine
+
+    from .integrations.ray import attach_in_ray, connect_in_ray
+    from .integrations.trl import use_rollout_sync
+    from .trainer.hook import TrainerSync
+
 __version__ = "0.1.0"
+
+# The public API: what the README and the examples import. Each side's names load their side's framework
+# only when first used (``TrainerSync``: DeepSpeed; the drivers: vLLM), so importing the package stays light.
+_LAZY = {
+    "TrainerSync": "rollout_sync.trainer.hook",
+    "setup_engines": "vllm_plugin.driver",
+    "connect_engine": "vllm_plugin.driver",
+    "receive_sync": "vllm_plugin.driver",
+    "ServerEngine": "vllm_plugin.http_driver",
+    "use_rollout_sync": "rollout_sync.integrations.trl",
+    "attach_in_ray": "rollout_sync.integrations.ray",
+    "connect_in_ray": "rollout_sync.integrations.ray",
+}
+__all__ = [
+    "LayoutError",
+    "PeerFailedError",
+    "RolloutSyncError",
+    "ServerEngine",
+    "SyncTimeoutError",
+    "TrainerSync",
+    "attach_in_ray",
+    "connect_engine",
+    "connect_in_ray",
+    "receive_sync",
+    "setup_engines",
+    "use_rollout_sync",
+]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'rollout_sync' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_LAZY])

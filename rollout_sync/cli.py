@@ -57,7 +57,7 @@ NVLink when trainer GPUs share its node). The modeled sync adds to that wire tim
 and receiver spend besides the wire, from the executor's own schedule of them (scale/sync_model.py): the
 agreement (--agree-ms), each message (--message-us per message and end) and their pack/unpack and local
 copies (--copy-gbps). The GPU defaults are assumptions (the GPU path has not run); on CPU the same model is
-checked against real syncs with measured figures by `python -m rollout_sync.bench model`. Congestion in the
+checked against real syncs with measured figures by `python -m benchmarks model`. Congestion in the
 fabric is not modeled.
 
 Layouts:

@@ -2,7 +2,7 @@
 # The GPU check (issue 17): four processes on one GPU move a Qwen3-0.6B-shaped model (about 1.5 GB of bf16,
 # ZeRO-3 flat partitions to vLLM TP-2 shards) through the CUDA-IPC same-host transport with the real
 # executor, check it bit for bit, and print its bandwidth beside a device-to-device copy of the same bytes
-# measured in the same run (python -m rollout_sync.bench ipc). Needs only python3 with torch (CUDA) and
+# measured in the same run (python -m benchmarks ipc). Needs only python3 with torch (CUDA) and
 # numpy: no vLLM, DeepSpeed, pyzmq or network. Ends within 5 minutes (each step has its own timeout).
 # Usage: bash scripts/gpu_check.sh [extra arguments of `bench ipc`]
 set -u -o pipefail
@@ -32,6 +32,6 @@ echo "== tests/gpu (the delta codec on the device, IPC handles, a small IPC sync
 timeout 110 "$PY" -m pytest -q -m gpu -p no:cacheprovider tests/gpu 2>&1 | tail -25 || tests=$?
 status=0
 echo "== bench ipc: Qwen3-0.6B shapes, ZeRO-3 on ranks 0-1 to TP 2 on ranks 2-3, all on GPU 0"
-timeout 140 "$PY" -m rollout_sync.bench ipc --device cuda --timeout 130 --json "$@" || status=$?
+timeout 140 "$PY" -m benchmarks ipc --device cuda --timeout 130 --json "$@" || status=$?
 echo "== gpu_check: tests/gpu exit status $tests, bench ipc exit status $status (0: verified bit for bit, every pair mapped, nothing left in /dev/shm)"
 [ "$tests" = 0 ] && [ "$status" = 0 ]

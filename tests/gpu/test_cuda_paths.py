@@ -56,7 +56,7 @@ def test_a_cuda_ipc_handle_names_the_storages_block_and_offset() -> None:
 
 
 def test_bench_ipc_on_the_gpu_maps_every_pair_and_verifies(capsys: pytest.CaptureFixture[str]) -> None:
-    from rollout_sync.bench import ipc
+    from benchmarks import ipc
 
     status = ipc.main(["--device", "cuda", "--layers", "1", "--vocab", "2048", "--syncs", "2", "--json"])
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
@@ -78,7 +78,7 @@ def _killed_sender(rank: int, world: int, group, group_id: str, device_type: str
     import signal
     import time
 
-    from rollout_sync.bench.execute import _carve, _logical, _maps, _pieces_copy
+    from benchmarks.execute import _carve, _logical, _maps, _pieces_copy
     from rollout_sync.errors import PeerFailedError, SyncTimeoutError
     from rollout_sync.planning.planner import plan_model
     from rollout_sync.transport import ExecuteOptions, Executor

@@ -1,4 +1,4 @@
-"""The GPU check's benchmark (``python -m rollout_sync.bench ipc``, run by ``scripts/gpu_check.sh``) run on
+"""The GPU check's benchmark (``python -m benchmarks ipc``, run by ``scripts/gpu_check.sh``) run on
 the CPU: the same four processes, plan, executor and mapped handoffs (memory files instead of CUDA IPC
 handles) on a small model, every pair mapped, verified bit for bit, nothing left in ``/dev/shm``, and its
 JSON keys."""
@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from rollout_sync.bench import ipc
+from benchmarks import ipc
 
 
 def test_bench_ipc_on_cpu_maps_every_pair_and_verifies(capsys: pytest.CaptureFixture[str]) -> None:

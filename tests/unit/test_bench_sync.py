@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from rollout_sync.bench.sync import assemble_row, method_summary
+from benchmarks.sync import assemble_row, method_summary
 from testbed.peak_memory import PeakMemory, parse_status_kib
 
 STATUS = "Name:\tpython\nVmHWM:\t  2048 kB\nVmRSS:\t  1024 kB\n"

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 
-from rollout_sync.bench.execute import qwen3_like
+from benchmarks.execute import qwen3_like
 from rollout_sync.errors import BackendDeviceError
 from rollout_sync.planning.planner import plan_model
 from rollout_sync.shapes import model_tensors, trainer_maps, vllm_target_maps

@@ -1,7 +1,8 @@
 """The product apart from its harness: what is installed, what it imports, and what a vLLM host needs.
 
-- The wheel holds ``rollout_sync`` (without its benchmarks) and ``vllm_plugin``; ``testbed`` (what tests,
-  examples and benchmarks share) and ``rollout_sync.bench`` are not installed.
+- The wheel holds ``rollout_sync`` and ``vllm_plugin``; ``benchmarks`` (top level, with the forwarder of its
+  old name ``rollout_sync.bench``) and ``testbed`` (what tests, examples and benchmarks share) are not
+  installed.
 - No product module imports ``testbed``, ``tests`` or the benchmarks.
 - ``vllm_plugin`` imports without DeepSpeed: a vLLM host installs ``rollout-sync[rollout]`` only.
 - Every product module stays small (about 400 lines).
@@ -23,7 +24,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 PRODUCT = ("rollout_sync", "vllm_plugin")
 NOT_PRODUCT = ("rollout_sync/bench",)
-HARNESS = ("testbed", "tests", "rollout_sync.bench")
+HARNESS = ("testbed", "tests", "benchmarks", "rollout_sync.bench")
 MAX_LINES = 410
 
 

@@ -1,6 +1,6 @@
 """The sync time model's pure parts (``scale.sync_model``): the shared medium's progressive filling, the
 interpolation of measured stream rates, and one sync's modeled time from ranks' work. Its agreement with
-real syncs is what ``python -m rollout_sync.bench model`` measures."""
+real syncs is what ``python -m benchmarks model`` measures."""
 
 from __future__ import annotations
 
