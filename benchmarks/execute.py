@@ -4,7 +4,7 @@ one run, on the same CPU ranks and the same weights.
 ``python -m benchmarks execute [--json] [--layers 6] [--vocab 32768] [--syncs 7] [--warmup 1]
 [--cap-mib 64] [--no-zero-copy]``
 
-Four processes over one gloo group (``rollout_sync.transport.groups``): trainer ranks 0-1 hold a Qwen3-like
+Four processes over one gloo group (``rollout_sync.transport.core.groups``): trainer ranks 0-1 hold a Qwen3-like
 model (hidden 1024, 16 heads, 8 kv heads, head dim 128, intermediate 3072; ``--layers`` layers, ``--vocab``
 rows, untied lm_head; bf16) as DeepSpeed ZeRO-3 partitions; rollout ranks 2-3 hold it as one vLLM TP-2
 engine (fused qkv / gate_up rows, o_proj / down_proj columns, vocab-parallel embedding and lm_head, norms
@@ -69,7 +69,8 @@ def qwen3_like(layers: int, vocab: int) -> dict[str, Any]:
 
 
 def _maps(layers: int, vocab: int) -> tuple[list[Any], list[Any]]:
-    from rollout_sync.shapes import model_tensors, trainer_maps, vllm_target_maps
+    from rollout_sync.geometry import trainer_maps, vllm_target_maps
+    from rollout_sync.shapes import model_tensors
 
     model = model_tensors(qwen3_like(layers, vocab))
     sources = trainer_maps(model, zero_stage=3, dp=len(TRAINER), dtype="bfloat16")
@@ -165,7 +166,7 @@ class _Rank(TimedRank):
         import torch
 
         from rollout_sync.planning.planner import plan_model
-        from rollout_sync.transport.groups import connect_store, new_group
+        from rollout_sync.transport.core.groups import connect_store, new_group
 
         torch.set_num_threads(1)
         self.rank = rank
@@ -259,7 +260,7 @@ class _Rank(TimedRank):
         import torch
 
         from rollout_sync.transport import ExecuteOptions, Executor
-        from rollout_sync.transport.shared_memory import SameHost
+        from rollout_sync.transport.same_host.shared_memory import SameHost
 
         options = ExecuteOptions(
             staging_cap_bytes=self.args.cap_mib << 20, timeout=600, zero_copy=not self.args.no_zero_copy

@@ -51,7 +51,7 @@ class _Rank(TimedRank):
         import torch
 
         from rollout_sync.planning.planner import plan_model
-        from rollout_sync.transport.groups import connect_store, new_group
+        from rollout_sync.transport.core.groups import connect_store, new_group
 
         torch.set_num_threads(1)
         self.rank = rank
@@ -107,7 +107,7 @@ class _Rank(TimedRank):
         import torch
 
         from rollout_sync.transport import ExecuteOptions, Executor
-        from rollout_sync.transport.shared_memory import SameHost
+        from rollout_sync.transport.same_host.shared_memory import SameHost
 
         options = ExecuteOptions(
             staging_cap_bytes=self.args.cap_mib << 20, timeout=self.args.timeout, shared_memory=True

@@ -63,7 +63,7 @@ class _Rank(TimedRank):
     def __init__(self, rank: int, port: int, args: argparse.Namespace) -> None:
         import torch
 
-        from rollout_sync.transport.groups import connect_store, new_group
+        from rollout_sync.transport.core.groups import connect_store, new_group
 
         torch.set_num_threads(1)
         self.rank = rank
@@ -125,8 +125,9 @@ class _Rank(TimedRank):
     def row(self, name: str, spec: dict[str, Any]) -> dict[str, Any]:
         import torch
 
+        from rollout_sync.geometry import trainer_maps, vllm_target_maps
         from rollout_sync.planning.planner import plan_model
-        from rollout_sync.shapes import model_tensors, trainer_maps, vllm_target_maps
+        from rollout_sync.shapes import model_tensors
         from rollout_sync.transport import ExecuteOptions, Executor
 
         model = model_tensors(qwen3_like(self.args.layers, self.args.vocab))

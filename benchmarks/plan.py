@@ -259,7 +259,8 @@ def bench_single(pieces: list[int], repeat: int, cap: float, with_deepspeed: boo
 
 
 def _qwen3_8b_maps() -> tuple[list[TensorMap], list[TensorMap]]:
-    from rollout_sync.shapes import preset, trainer_maps, vllm_target_maps
+    from rollout_sync.geometry import trainer_maps, vllm_target_maps
+    from rollout_sync.shapes import preset
 
     model = preset("qwen3-8b")
     sources = trainer_maps(model, zero_stage=3, dp=4, tp=2)

@@ -6,7 +6,7 @@ element probe, on the same live engine.
 Model: Qwen3-0.6B's shapes with random bf16 weights (``testbed.shaped_models``), one vLLM CPU
 engine at TP 2 with ``testbed.baseline_extension.BenchExtension``. On that engine, one after the other:
 
-- ``fast``: ``rollout_sync_setup(maps="fast")`` on every worker (``vllm_plugin.targets``: maps from the
+- ``fast``: ``rollout_sync_setup(maps="fast")`` on every worker (``vllm_plugin.worker_maps``: maps from the
   model's shapes and vLLM's parallel config, confirmed by tracing vLLM's loaders on the meta device);
 - ``full``: ``rollout_sync_setup(maps="probe")``: vLLM's loaders probed element by element.
 

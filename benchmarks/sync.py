@@ -272,7 +272,7 @@ def param_specs(ctx: RankContext) -> list[tuple[str, list[int], str]]:
 
 
 def baseline_connect(ctx: RankContext, host: str, port: int, world_size: int, timeout: float) -> int:
-    from rollout_sync.transport.groups import connect_store, new_group
+    from rollout_sync.transport.core.groups import connect_store, new_group
 
     if ctx.rank == 0:
         store = connect_store(host, port, world_size, is_master=True, timeout=timeout)

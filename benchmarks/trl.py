@@ -151,9 +151,9 @@ def worker(args: argparse.Namespace) -> int:
     from trl.generation.vllm_generation import VLLMGeneration
     from vllm import LLM
 
-    from rollout_sync.integrations.engines import ColocatedRollout
     from rollout_sync.integrations.trl import TrlWeightSync, rollout_side
     from testbed.peak_memory import PeakMemory
+    from vllm_plugin.rollouts import ColocatedRollout
     from vllm_plugin.worker_state import param_digest
 
     PartialState(cpu=True)  # as TrainingArguments(use_cpu=True) does; else each process is 0 of 1

@@ -47,8 +47,8 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
     from vllm import LLM, SamplingParams
 
-    from rollout_sync.integrations.engines import ColocatedRollout
     from rollout_sync.integrations.trainer_callback import RolloutSyncCallback
+    from vllm_plugin.rollouts import ColocatedRollout
 
     work = Path(args.workdir)
     model_dir = work / "model"

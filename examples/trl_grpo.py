@@ -7,7 +7,7 @@ Colocate mode (each trainer process holds its own vLLM engine)::
 Server mode (a vLLM server with the rollout-sync worker extension; generation goes through TRL's client)::
 
     python -m testbed dense /tmp/rollout-sync-trl/model
-    VLLM_SERVER_DEV_MODE=1 python -m rollout_sync.serve serve /tmp/rollout-sync-trl/model --port 8000 \\
+    VLLM_SERVER_DEV_MODE=1 python -m vllm_plugin.serve serve /tmp/rollout-sync-trl/model --port 8000 \\
         --worker-extension-cls vllm_plugin.extension.RolloutSyncExtension --max-model-len 128
     accelerate launch --config_file examples/trl/zero3.yaml examples/trl_grpo.py --mode server --verify
 

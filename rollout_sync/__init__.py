@@ -37,6 +37,7 @@ if TYPE_CHECKING:
 
     from .integrations.ray import attach_in_ray, connect_in_ray
     from .integrations.trl import use_rollout_sync
+    from .sync.options import SyncOptions
     from .trainer.hook import TrainerSync
 
 __version__ = "0.1.0"
@@ -45,6 +46,7 @@ __version__ = "0.1.0"
 # only when first used (``TrainerSync``: DeepSpeed; the drivers: vLLM), so importing the package stays light.
 _LAZY = {
     "TrainerSync": "rollout_sync.trainer.hook",
+    "SyncOptions": "rollout_sync.sync.options",
     "setup_engines": "vllm_plugin.driver",
     "connect_engine": "vllm_plugin.driver",
     "receive_sync": "vllm_plugin.driver",
@@ -58,6 +60,7 @@ __all__ = [
     "PeerFailedError",
     "RolloutSyncError",
     "ServerEngine",
+    "SyncOptions",
     "SyncTimeoutError",
     "TrainerSync",
     "attach_in_ray",

@@ -39,7 +39,7 @@ class BenchExtension(RolloutSyncExtension):
         """Join the baseline's group as rank ``first_rank + tp_rank``; returns that rank."""
         from vllm.distributed.parallel_state import get_tp_group
 
-        from rollout_sync.transport.groups import connect_store, new_group
+        from rollout_sync.transport.core.groups import connect_store, new_group
 
         rank = first_rank + get_tp_group().rank_in_group
         store = connect_store(host, port, world_size, is_master=False, timeout=timeout)

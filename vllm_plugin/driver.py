@@ -14,8 +14,9 @@ from typing import Any
 
 from rollout_sync.errors import PeerFailedError
 from rollout_sync.rollout.codec import local_targets_from_dict
+from rollout_sync.rollout.fleet_maps import RolloutTargets, assemble
 from rollout_sync.rollout.landing_maps import DEFAULT_MAX_PIECES
-from rollout_sync.rollout.targets import RolloutTargets, assemble
+from rollout_sync.sync.options import SyncOptions
 
 from .calls import call
 
@@ -40,7 +41,7 @@ def setup_engines(
     lora: Mapping[str, Any] | None = None,
 ) -> RolloutTargets:
     """Set up every worker of every engine (``maps``: how workers learn their targets, ``"fast"``,
-    ``"probe"`` or ``"verify"``, ``vllm_plugin.targets``; None: the extension's default) and return the merged, coverage-checked target
+    ``"probe"`` or ``"verify"``, ``vllm_plugin.worker_maps``; None: the extension's default) and return the merged, coverage-checked target
     maps. ``reports``, if given, receives each engine's worker summaries (with their setup reports).
     ``lora``: sync a LoRA adapter into a slot of each engine instead of the weights
     (``vllm_plugin.lora_slots.AdapterSpec`` as a dict: ``name``, ``lora_id``, ``rank``, ``scaling``,
@@ -88,7 +89,7 @@ def connect_engine(
     index: int = 0,
     *,
     token: str | None = None,
-    timeout: float = 120.0,
+    timeout: float = SyncOptions.timeout,
     staging_cap_bytes: int | None = None,
     atomic: bool = False,
 ) -> list[dict[str, Any]]:

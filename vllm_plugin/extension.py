@@ -16,6 +16,7 @@ from typing import Any
 
 from rollout_sync.errors import IncompleteUpdateError
 from rollout_sync.rollout.landing_maps import DEFAULT_MAX_PIECES
+from rollout_sync.sync.options import SyncOptions
 
 from .worker_state import RolloutWorker
 
@@ -43,7 +44,7 @@ class RolloutSyncExtension:
         lora: Mapping[str, Any] | None = None,
     ) -> dict[str, Any]:
         """Learn this worker's targets (``maps``: ``"fast"``, ``"probe"`` or ``"verify"``,
-        ``vllm_plugin.targets``); this worker is global rank ``first_rank + tp_rank``. ``lora``: the targets
+        ``vllm_plugin.worker_maps``); this worker is global rank ``first_rank + tp_rank``. ``lora``: the targets
         are a LoRA adapter's A and B in a slot held for it (``vllm_plugin.lora_slots.AdapterSpec`` as a
         dict), not the model's weights. Returns a summary (rank, refused tensors with reasons, derived
         copies, setup report and times)."""
@@ -123,7 +124,7 @@ class RolloutSyncExtension:
         address: str,
         engine: int = 0,
         token: str | None = None,
-        timeout: float = 120.0,
+        timeout: float = SyncOptions.timeout,
         staging_cap_bytes: int | None = None,
         atomic: bool = False,
     ) -> dict[str, Any]:

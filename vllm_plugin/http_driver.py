@@ -23,6 +23,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from rollout_sync.errors import PeerFailedError, SyncTimeoutError
+from rollout_sync.sync.options import SyncOptions
 
 from .calls import PREFIX, call_request, check_answers
 
@@ -111,7 +112,12 @@ class ServerEngine:
         return self.call(method[len(PREFIX) :], kwargs, args)
 
     def connect(
-        self, address: str, engine: int, token: str | None, timeout: float = 120.0, atomic: bool = False
+        self,
+        address: str,
+        engine: int,
+        token: str | None,
+        timeout: float = SyncOptions.timeout,
+        atomic: bool = False,
     ) -> list[Any]:
         """Join the sync group (blocks until the trainer has joined: run it in a thread). ``atomic``: a
         failed sync leaves the old weights (``driver.connect_engine``)."""

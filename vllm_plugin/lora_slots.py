@@ -7,7 +7,7 @@ adapts (PEFT's ``target_modules``: module names or their last part). ``AdapterSl
 zero adapter of that rank under the id with vLLM's LoRA manager and pins it in a slot (an adapter vLLM
 itself activated, as a request naming it would; pinned, it is never evicted, so requests naming it find
 it in that slot and nothing is read from a path). Each sync then writes A and B into that slot
-(``rollout_sync.rollout.lora_slots``).
+(``rollout_sync.rollout.lora_maps``).
 
 Swapping without downtime (writing a second slot while requests use the first, then switching names) is
 not built: the sync writes the held slot in place, between engine steps like any weight sync, and a request
@@ -27,7 +27,7 @@ from rollout_sync.errors import TargetMismatchError, UnsupportedLayoutError
 from rollout_sync.layout.box import Box
 from rollout_sync.layout.dtypes import dtype_name
 from rollout_sync.rollout.local_targets import LocalTargets
-from rollout_sync.rollout.lora_slots import LoraSlice, StagedSlice, slice_targets, slot_a_name
+from rollout_sync.rollout.lora_maps import LoraSlice, StagedSlice, slice_targets, slot_a_name
 from rollout_sync.rollout.update import DerivedCopy
 
 __all__ = ["AdapterSlot", "AdapterSpec"]

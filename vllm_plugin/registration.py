@@ -1,6 +1,6 @@
 """Entry point of the ``vllm.general_plugins`` group (declared in ``pyproject.toml``): registers the
 ``rollout_sync`` weight-transfer backend with vLLM (worker side here; the trainer side,
-``rollout_sync.integrations.vllm_trainer``, registers itself when imported, and here too), so that ``weight_transfer_config={"backend":
+``vllm_plugin.trainer_engine``, registers itself when imported, and here too), so that ``weight_transfer_config={"backend":
 "rollout_sync"}`` (``--weight-transfer-config '{"backend": "rollout_sync"}'``) selects it, and makes the
 engine core wait idle for its workers' replies to rollout-sync's calls (``quiet_wait``) and gives it the
 forgets its prefix cache at every new weight version, also while requests are in flight (``prefix_cache``).
@@ -20,7 +20,7 @@ BACKEND = "rollout_sync"
 def register() -> None:
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
-    from rollout_sync.integrations import vllm_trainer  # noqa: F401  # registers the trainer-side engine
+    from vllm_plugin import trainer_engine as vllm_trainer  # noqa: F401  # registers the trainer-side engine
 
     from . import prefix_cache, quiet_wait
 

@@ -34,6 +34,7 @@ from vllm.distributed.weight_transfer.base import (
 
 from rollout_sync.errors import IncompleteUpdateError
 from rollout_sync.rollout.landing_maps import DEFAULT_MAX_PIECES
+from rollout_sync.sync.options import SyncOptions
 
 from .worker_state import RolloutWorker
 
@@ -50,7 +51,7 @@ class RolloutSyncInitInfo(WeightTransferInitInfo):
     """Most affine pieces one storage may need before its loader is refused."""
     maps: str = "fast"
     """How each worker learns its target maps: ``"fast"`` (from shapes, checked by a loader trace),
-    ``"probe"`` (element probe) or ``"verify"`` (both, compared); see ``vllm_plugin.targets``."""
+    ``"probe"`` (element probe) or ``"verify"`` (both, compared); see ``vllm_plugin.worker_maps``."""
     address: str = ""
     """The trainer's coordinator (``tcp://HOST:PORT``): join the sync group through the handshake (blocks
     until every trainer rank and worker has joined). Empty: updates come from checkpoints only."""
@@ -58,7 +59,7 @@ class RolloutSyncInitInfo(WeightTransferInitInfo):
     """This engine's index among the engines of the sync (engines are numbered from 0)."""
     token: str | None = None
     """The shared token; None: the ``ROLLOUT_SYNC_TOKEN`` environment variable."""
-    timeout: float = 120.0
+    timeout: float = SyncOptions.timeout
     """Seconds any wait of the handshake or of a sync may take."""
     atomic: bool = False
     """A sync lands whole or not at all: a failed one leaves the old weights (a copy of each worker's

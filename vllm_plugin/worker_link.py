@@ -18,10 +18,11 @@ from typing import Any
 
 import torch
 
+from rollout_sync.rollout.delta_base import unchanged_targets
 from rollout_sync.rollout.group_link import RolloutLink
 from rollout_sync.rollout.update import UpdateSession
+from rollout_sync.sync.options import SyncOptions
 from rollout_sync.sync.roster import device_kind
-from rollout_sync.transport import DEFAULT_STAGING_CAP_BYTES
 
 from .worker_state import RolloutWorker
 
@@ -65,8 +66,8 @@ def connect(
     tp_rank: int,
     tp_size: int,
     token: str | None = None,
-    timeout: float = 120.0,
-    staging_cap_bytes: int = DEFAULT_STAGING_CAP_BYTES,
+    timeout: float = SyncOptions.timeout,
+    staging_cap_bytes: int = SyncOptions.staging_cap_bytes,
     atomic: bool = False,
 ) -> RolloutLink:
     return RolloutLink.connect(
@@ -103,10 +104,8 @@ def receive(worker: RolloutWorker, link: RolloutLink, *, open_update: bool = Tru
         raise RuntimeError(f"rank {worker.rank}: no weight update is open (call start_weight_update first)")
     # A delta sync applies on the values the last sync left: not when something else wrote the weights
     # since (another update: a checkpoint, vLLM's own loader), nor into buffers that do not outlive an update.
-    before = link.updates_seen
-    if before is None or worker.updates != before + 1 or not all(map(session.persistent, link.target_names)):
+    if not link.base.begin(worker.updates, all(map(session.persistent, link.target_names))):
         link.forget_base()
-    link.updates_seen = worker.updates
     try:
         targets = {
             name: session.placeholder(name) if session.streamed(name) else session.storage(name)
@@ -115,7 +114,7 @@ def receive(worker: RolloutWorker, link: RolloutLink, *, open_update: bool = Tru
         result = link.receive(targets, _SessionStream(session))
         # in a delta sync, what arrived without a change keeps what was derived from it (a layer's
         # kernel's form, a derived copy): not rebuilt
-        unchanged = result.stats.unchanged_targets if result.stats.delta_base is not None else frozenset()
+        unchanged = unchanged_targets(result.stats.delta_base, result.stats.unchanged_targets)
         for name in link.target_names:
             if name in unchanged:
                 session.mark_unchanged(name)

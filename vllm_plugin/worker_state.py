@@ -114,11 +114,11 @@ class RolloutWorker:
         maps: str = "fast",
     ) -> RolloutWorker:
         """Learn this worker's targets (``maps``: ``"fast"``, ``"probe"`` or ``"verify"``, see
-        ``vllm_plugin.targets``). ``tensors``: logical tensor name -> shape; by default every tensor of the
+        ``vllm_plugin.worker_maps``). ``tensors``: logical tensor name -> shape; by default every tensor of the
         checkpoint the engine was started from."""
         from .derived import derived_copies
         from .loaded_form import LoadedForms
-        from .targets import find_targets
+        from .worker_maps import find_targets
 
         parallel = vllm_config.parallel_config
         if parallel.pipeline_parallel_size != 1:

@@ -27,7 +27,7 @@ from typing import Any
 import zmq
 
 from ..errors import HandshakeError, SyncTimeoutError, WireFormatError
-from ..transport.network import is_loopback
+from ..transport.core.network import is_loopback
 from .messages import ABORT, HELLO, READY, REFUSED, WELCOME, Message, decode, encode
 
 TRAINER = "trainer"

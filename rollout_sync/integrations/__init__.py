@@ -4,7 +4,7 @@
   colocate mode.
 - ``trainer_callback``: the same sync as a ``transformers.TrainerCallback`` for other Trainer-based loops.
 - ``weight_sync``: what they share: a DeepSpeed engine's trainer side and the vLLM engines' side of one
-  sync group, attached once and synced on demand.
-- ``engines``: the vLLM engines as a training process sees them: a server it drives over HTTP, or the
-  engine that lives in this very process.
+  sync group, attached once and synced on demand (the engines as a training process sees them, a server
+  it drives over HTTP or the engine in this very process, are ``vllm_plugin.rollouts``).
+- ``ray``: trainer ranks and engines placed by Ray meet through a rendezvous actor.
 """

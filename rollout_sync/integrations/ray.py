@@ -28,6 +28,7 @@ from typing import Any
 import ray
 
 from ..errors import SyncTimeoutError
+from ..sync.options import SyncOptions
 
 HEAD_NODE_RESOURCE_NAME = "node:__internal_head__"  # the resource Ray gives its head node alone
 
@@ -94,22 +95,32 @@ def meeting(job: str, round_: int, *, publish: bool, timeout: float) -> tuple[st
 
 
 def attach_in_ray(
-    engine: Any, *, job: str, engines: int, round_: int = 1, timeout: float = 300.0, **options: Any
+    engine: Any,
+    *,
+    job: str,
+    engines: int,
+    round_: int = 1,
+    options: SyncOptions | None = None,
+    **overrides: Any,
 ) -> Any:
     """``TrainerSync.attach`` on this DeepSpeed rank, meeting through the job's rendezvous (every trainer rank
-    calls it; rank 0 publishes round ``round_``). ``options``: ``TrainerSync.attach``'s others."""
+    calls it; rank 0 publishes round ``round_``). ``options`` (``SyncOptions``, or its fields as keywords, and
+    ``TrainerSync.attach``'s ``every``, ``state``, ``lora``); the rendezvous waits at most the timeout."""
     import torch.distributed as dist
 
     from ..trainer.hook import TrainerSync
 
-    address, token = meeting(job, round_, publish=dist.get_rank() == 0, timeout=timeout)
+    attach_keys = {"every", "state", "lora"}
+    attach_args = {k: v for k, v in overrides.items() if k in attach_keys}
+    opts = SyncOptions.of(options, **{k: v for k, v in overrides.items() if k not in attach_keys})
+    address, token = meeting(job, round_, publish=dist.get_rank() == 0, timeout=opts.timeout)
     return TrainerSync.attach(
-        engine, address=address, engines=engines, token=token, timeout=timeout, **options
+        engine, address=address, engines=engines, token=token, options=opts, **attach_args
     )
 
 
 def connect_in_ray(
-    llm: Any, *, job: str, engine: int, round_: int = 1, timeout: float = 300.0, **options: Any
+    llm: Any, *, job: str, engine: int, round_: int = 1, timeout: float = SyncOptions.timeout, **options: Any
 ) -> Any:
     """Join ``llm``'s workers (set up before: ``setup_engines``) as engine ``engine`` of the job's handshake
     round ``round_``. ``options``: ``connect_engine``'s others (``atomic``, ``staging_cap_bytes``)."""

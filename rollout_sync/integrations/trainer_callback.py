@@ -18,7 +18,8 @@ from typing import Any
 
 from transformers import TrainerCallback
 
-from .engines import RolloutSide
+from vllm_plugin.rollouts import RolloutSide
+
 from .weight_sync import WeightSync, check_trainer, deepspeed_engine
 
 __all__ = ["RolloutSyncCallback"]

@@ -13,7 +13,7 @@ replaces that method, so TRL's step logic (gradient accumulation, ``steps_per_ge
 rollout-sync decides how: at the first call every rank attaches to the DeepSpeed engine accelerate built;
 then each call sends each rank's own shard straight into the vLLM workers that store it, no gather.
 
-- Server mode: the server runs the rollout-sync worker extension (``python -m rollout_sync.serve serve
+- Server mode: the server runs the rollout-sync worker extension (``python -m vllm_plugin.serve serve
   MODEL --worker-extension-cls vllm_plugin.extension.RolloutSyncExtension`` with ``VLLM_SERVER_DEV_MODE=1``);
   TRL's NCCL communicator is neither created nor used (``VLLMClient.init_communicator`` is skipped);
   generation still goes through TRL's client.
@@ -33,9 +33,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from vllm_plugin.rollouts import ColocatedRollout, RolloutSide, ServedRollout
+
 from ..errors import UnsupportedLayoutError
-from ..transport import DEFAULT_STAGING_CAP_BYTES
-from .engines import ColocatedRollout, RolloutSide, ServedRollout
+from ..sync.options import SyncOptions
 from .weight_sync import WeightSync, check_trainer, deepspeed_engine
 
 __all__ = ["TrlWeightSync", "rollout_side", "use_rollout_sync"]
@@ -79,22 +80,22 @@ _installed: TrlWeightSync | None = None
 def use_rollout_sync(
     *,
     host: str | None = None,
-    timeout: float = 300.0,
-    staging_cap_bytes: int = DEFAULT_STAGING_CAP_BYTES,
-    delta: bool = False,
+    options: SyncOptions | None = None,
+    **overrides: Any,
 ) -> TrlWeightSync:
     """Make TRL's weight sync rollout-sync's in this process; call it before building the trainer (server
     mode: TRL's NCCL communicator is set up while the trainer is built). ``host``: where training process 0
     listens for the vLLM workers; by default this host's address on the route to TRL's server (server
     mode) or loopback (colocate mode).
-    ``delta``: syncs after the first send only the weights that changed (``WeightSync``). Returns the sync
+    ``options`` (``SyncOptions``, or its fields as keywords: ``delta=True`` syncs after the first send only
+    the weights that changed; ``timeout``, ``staging_cap_bytes``, ...). Returns the sync
     (``history``, ``summary()``, ``after_sync`` hooks). Calling it again returns the same."""
     global _installed
     if _installed is not None:
         return _installed
     from trl.generation import vllm_client, vllm_generation
 
-    sync = TrlWeightSync(host=host, timeout=timeout, staging_cap_bytes=staging_cap_bytes, delta=delta)
+    sync = TrlWeightSync(host=host, options=SyncOptions.of(options, **overrides))
 
     def sync_weights(generation: Any) -> None:
         sync.sync_generation(generation)

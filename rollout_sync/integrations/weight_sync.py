@@ -23,11 +23,12 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from vllm_plugin.rollouts import RolloutSide
+
 from ..errors import UnsupportedLayoutError
+from ..sync.background import Background
 from ..sync.endpoint import SyncResult
-from ..transport import DEFAULT_STAGING_CAP_BYTES
-from .background import Background
-from .engines import RolloutSide
+from ..sync.options import SyncOptions
 
 __all__ = ["WeightSync", "changed_fraction", "check_trainer", "deepspeed_engine", "is_peft"]
 
@@ -88,18 +89,18 @@ class WeightSync:
         host: str | None = None,
         port: int | None = None,
         token: str | None = None,
-        timeout: float = 300.0,
-        staging_cap_bytes: int = DEFAULT_STAGING_CAP_BYTES,
         state: str = "param",
-        delta: bool = False,
+        options: SyncOptions | None = None,
+        **overrides: Any,
     ) -> None:
         self.rollout = rollout
-        self.delta = delta
+        self.options = SyncOptions.of(options, **overrides)
+        self.delta = self.options.delta
         self.host = host
         self.port = port
         self.token = token
-        self.timeout = timeout
-        self.staging_cap_bytes = staging_cap_bytes
+        self.timeout = self.options.timeout
+        self.staging_cap_bytes = self.options.staging_cap_bytes
         self.state = state
         self.engine: Any = None
         self.trainer: Any = None  # rollout_sync.trainer.hook.TrainerSync
@@ -155,10 +156,8 @@ class WeightSync:
                 engines=self.rollout.engines,
                 token=token,
                 every=None,
-                staging_cap_bytes=self.staging_cap_bytes,
-                timeout=self.timeout,
                 state=self.state,
-                delta=self.delta,
+                options=self.options,
                 lora="merged",  # a PEFT model: the framework's engines have no LoRA (else unused)
             )
         self.engine = engine

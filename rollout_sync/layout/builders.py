@@ -7,7 +7,7 @@ here; the dry-run simulator and the plan benchmark call these builders directly.
 Layout builders (``*_layout``) return a ``Layout`` in group ranks; storage builders return the
 ``ShardStorage`` of one shard; map builders (``*_map``) compose them with ``nest`` into a ``TensorMap`` in
 global ranks. Rank numbering conventions (which global rank is which TP/DP/EP rank) are the callers'
-(``rollout_sync.shapes.sides`` documents the trainer's and vLLM's).
+(``rollout_sync.geometry.model_maps`` documents the trainer's and vLLM's).
 """
 
 from __future__ import annotations

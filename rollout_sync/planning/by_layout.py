@@ -11,7 +11,7 @@ one representative pair per shared layout and on every other pair, so the result
 (the planner plans each tensor with a callable policy anew).
 
 Layouts are recognised by the identity of the maps' regions objects: maps built from the same storage
-objects share them (``TensorMap``), as the whole-model builders (``rollout_sync.shapes.sides``) arrange.
+objects share them (``TensorMap``), as the whole-model builders (``rollout_sync.geometry.model_maps``) arrange.
 Maps with equal but separately built regions are planned separately, which is only slower.
 """
 

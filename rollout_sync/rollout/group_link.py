@@ -22,8 +22,10 @@ from ..planning.wire import encode_maps
 from ..sync.endpoint import Endpoint, SyncResult, resolve_token
 from ..sync.nixl_pull import PullEndpoint
 from ..sync.nixl_source import SourceEndpoint
-from ..transport import DEFAULT_STAGING_CAP_BYTES, ExecuteOptions
-from ..transport.targets import TargetStream
+from ..sync.options import SyncOptions
+from ..transport import ExecuteOptions
+from ..transport.core.target_streams import TargetStream
+from .delta_base import DeltaBase
 
 
 class RolloutLink:
@@ -41,8 +43,7 @@ class RolloutLink:
         self.version: int | None = None
         self.incomplete = False
         self.last_error: str | None = None
-        self.updates_seen: int | None = None  # the owner's count of finished weight updates when the last
-        # sync began (``vllm_plugin.worker_link``: another update in between makes the next sync a full one)
+        self.base = DeltaBase()  # may the next sync apply on what the last one left (``rollout.delta_base``)
         half = endpoint.half
         self.target_names: tuple[str, ...] = tuple(
             sorted({half.tensors[s.tensor].name for s in (*half.receives, *half.local)})
@@ -59,8 +60,8 @@ class RolloutLink:
         maps: Sequence[TensorMap],
         map_rank: int | None = None,
         token: str | None = None,
-        timeout: float = 120.0,
-        staging_cap_bytes: int = DEFAULT_STAGING_CAP_BYTES,
+        timeout: float = SyncOptions.timeout,
+        staging_cap_bytes: int = SyncOptions.staging_cap_bytes,
         device: str | None = None,
         atomic: bool = False,
         adapter: Mapping[str, Any] | None = None,

@@ -13,12 +13,12 @@ from collections.abc import Mapping
 from math import prod
 
 from ..errors import LayoutError, UnsupportedLayoutError
+from ..geometry.model_maps import vllm_target_maps
+from ..geometry.vllm import vllm_expert_owner
 from ..layout.maps import Piece, RankStorage, TensorMap
-from ..shapes.sides import vllm_target_maps
 from ..shapes.tensors import EXPERT_KINDS, ModelTensors
 from .local_targets import LocalTargets
 from .storage_view import StorageView
-from .vllm_geometry import vllm_expert_owner
 
 __all__ = ["VLLM_VIEW_MODEL_TYPES", "shape_targets", "vllm_param_views"]
 

@@ -39,12 +39,12 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, TypeVar
 
+from ..geometry.model_maps import trainer_maps, vllm_target_maps
 from ..layout.dtypes import ITEMSIZE
 from ..layout.maps import TensorMap
 from ..planning.by_layout import plan_model_by_layout
 from ..planning.policy import ReplicaPolicy, Spread
 from ..planning.rank_half import plan_rank_half
-from ..shapes.sides import trainer_maps, vllm_target_maps
 from ..shapes.tensors import ModelTensors
 from .spec import RolloutLayout, TrainerLayout, check_fit, load_model
 from .sync_model import GPU_LINKS, LinkFigures, overhead_seconds

@@ -12,8 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..planning.half import PlanHalf
-from ..transport.messages import ALIGN, MIN_MESSAGE_BYTES
-from ..transport.schedule import build_schedule, peers_of
+from ..transport.core.pair_messages import ALIGN, MIN_MESSAGE_BYTES
+from ..transport.core.schedule import build_schedule, peers_of
 from .sync_model import RankWork, rank_work
 from .traffic import Traffic
 

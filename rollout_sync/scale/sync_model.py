@@ -36,7 +36,7 @@ from ..layout.dtypes import ITEMSIZE
 from ..planning.half import PlanHalf
 
 if TYPE_CHECKING:  # the transport package imports torch; the model itself is pure
-    from ..transport.schedule import Schedule
+    from ..transport.core.schedule import Schedule
 
 __all__ = [
     "GPU_LINKS",

@@ -1,9 +1,8 @@
-"""Shape tables: the logical tensors of model families (names, shapes, kinds) from a config, presets with
-published shapes, and whole-model maps per side (``trainer_maps``, ``vllm_target_maps``) composed from
-each side's geometry (``trainer.deepspeed_geometry``, ``rollout.vllm_geometry``)."""
+"""Shape tables: the logical tensors of model families (names, shapes, kinds) from a config, and presets with
+published shapes. A leaf: it imports nothing of the package but ``layout`` and the errors. The whole-model
+maps per side (``trainer_maps``, ``vllm_target_maps``) are composed from these in ``rollout_sync.geometry``."""
 
 from .presets import PRESETS, preset, preset_config
-from .sides import trainer_maps, vllm_target_maps
 from .tensors import KINDS, LogicalTensor, ModelTensors, model_tensors
 
 __all__ = [
@@ -14,6 +13,4 @@ __all__ = [
     "model_tensors",
     "preset",
     "preset_config",
-    "trainer_maps",
-    "vllm_target_maps",
 ]

@@ -21,7 +21,7 @@ from ..handshake import ROLLOUT, Coordinator, PeerInfo
 from ..handshake.messages import HELLO, Message
 from ..planning.policy import Balanced, ReplicaPolicy
 from ..planning.wire import encode_half
-from .coordination import Coordinated, entry_of, plan_engines
+from .fleet_plan import Coordinated, entry_of, plan_engines
 from .roster import encode_roster
 
 __all__ = ["AdmissionDesk"]

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import PeerFailedError
-from ..transport.collectives import allgather_bytes
+from ..transport.core.collectives import allgather_bytes
 
 RECORD_BYTES = 256
 _MAGIC = b"RSC1"

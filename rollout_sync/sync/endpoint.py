@@ -22,11 +22,11 @@ from ..handshake import Peer
 from ..planning.half import PlanHalf
 from ..planning.wire import decode_half
 from ..transport import ExecuteOptions, Executor, SyncStats
-from ..transport.groups import connect_store, new_group
-from ..transport.in_process import InProcess
-from ..transport.network import route_source, split_address
-from ..transport.shared_memory import SameHost
-from ..transport.targets import TargetStream
+from ..transport.core.groups import connect_store, new_group
+from ..transport.core.in_process import InProcess
+from ..transport.core.network import route_source, split_address
+from ..transport.core.target_streams import TargetStream
+from ..transport.same_host.shared_memory import SameHost
 from .commit import commit
 from .nixl_endpoint import NixlSource
 from .nixl_pull import PullEndpoint

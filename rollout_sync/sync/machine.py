@@ -78,7 +78,7 @@ def _key(*facts: str | None) -> str:
 def machine_key() -> str:
     """This process's machine key (see the module doc); the same for every process that shares its kernel,
     its ``/dev/shm`` and its PID namespace."""
-    from ..transport.shared_memory import shm_dir
+    from ..transport.same_host.shared_memory import shm_dir
 
     return _key(_read("/proc/sys/kernel/random/boot_id"), shm_token(shm_dir()), _namespace("pid"))
 

@@ -41,11 +41,11 @@ import torch
 
 from ..planning.half import PlanHalf
 from ..transport import ExecuteOptions
-from ..transport.half_check import check_half
-from ..transport.local_check import check_storages
-from ..transport.nixl_agent import NixlAgent, ucx_environment
-from ..transport.nixl_delta import export_buffer
-from ..transport.targets import TargetStream
+from ..transport.core.half_check import check_half
+from ..transport.core.local_check import check_storages
+from ..transport.core.target_streams import TargetStream
+from ..transport.delta.nixl_export import export_buffer
+from ..transport.nixl.agent import NixlAgent, ucx_environment
 from .roster import RosterEntry
 
 __all__ = ["GroupFreeEndpoint", "NixlSource", "read_state", "worker_agent"]

@@ -14,12 +14,12 @@ import torch
 from ..errors import PeerFailedError, PlanMismatchError, RolloutSyncError, SyncTimeoutError
 from ..layout.dtypes import itemsize
 from ..transport import SyncStats
-from ..transport.delta import DeltaProgram
-from ..transport.nixl_agent import NixlAgent, Reading, ucx_environment
-from ..transport.nixl_delta import TABLE_BYTES, apply_region, delta_program, read_table
-from ..transport.nixl_reads import ReadPlan, read_plan
-from ..transport.program import torch_dtype, view
-from ..transport.targets import Targets, TargetStream
+from ..transport.core.program import torch_dtype, view
+from ..transport.core.target_streams import Targets, TargetStream
+from ..transport.delta.nixl_export import TABLE_BYTES, apply_region, delta_program, read_table
+from ..transport.delta.packed_program import DeltaProgram
+from ..transport.nixl.agent import NixlAgent, Reading, ucx_environment
+from ..transport.nixl.reads import ReadPlan, read_plan
 from .nixl_endpoint import (
     POLL_S,
     READY,

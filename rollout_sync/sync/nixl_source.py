@@ -14,8 +14,8 @@ import torch
 from ..errors import PeerFailedError, PlanMismatchError
 from ..layout.dtypes import itemsize
 from ..transport import SyncStats
-from ..transport.nixl_delta import DeltaExport
-from ..transport.targets import TargetStream
+from ..transport.core.target_streams import TargetStream
+from ..transport.delta.nixl_export import DeltaExport
 from .nixl_endpoint import CLOSED, POLL_S, READY, REFUSED, GroupFreeEndpoint, NixlSource, worker_agent
 
 if TYPE_CHECKING:

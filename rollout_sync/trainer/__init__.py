@@ -1,10 +1,10 @@
 """The trainer side: DeepSpeed (ZeRO-0/1/2/3, AutoTP, AutoEP) engines described as storage maps, views of
 their buffers, and the hook that syncs after each optimizer step.
 
-Pure modules (no torch): ``facts`` (layout facts), ``deepspeed_geometry`` (ZeRO-1/2 flat buffers, ZeRO-3
-partitions, AutoTP shard sizes), ``placement`` (TP/EP placements from DeepSpeed's descriptions),
+Pure modules (no torch): ``facts`` (layout facts), ``placement`` (TP/EP placements from DeepSpeed's descriptions),
 ``naming`` (logical tensor names), ``storage_maps`` (facts to maps), ``shape_facts`` (the facts an engine
-would hold, from a model's shape table and a layout description), ``refusals``. Live modules: ``read_engine``
+would hold, from a model's shape table and a layout description), ``refusals``; DeepSpeed's arithmetic (flat buffers, partitions, AutoTP shard sizes) is
+``rollout_sync.geometry.deepspeed``. Live modules: ``read_engine``
 (facts and buffers of an engine), built on ``engine_checks`` (the refusals read from an engine),
 ``placement_reader`` (AutoTP/AutoEP placements), ``zero_positions`` (this rank's buffers and their ZeRO-1/2/3
 flat positions) and ``engine_parts`` (groups, AutoEP layers, ZeRO-3 parameters); ``views``, ``storage``

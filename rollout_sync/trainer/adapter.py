@@ -4,7 +4,7 @@ and what vLLM must be told to serve it (pure: reads a PEFT config as a dict).
 PEFT names the adapter's parameters ``base_model.model.{module}.lora_A.{adapter}.weight`` (``[r, in]``) and
 ``...lora_B.{adapter}.weight`` (``[out, r]``) and saves them as ``base_model.model.{module}.lora_A.weight``;
 their logical names here drop PEFT's ``base_model.model.`` prefix and the adapter's name:
-``{module}.lora_A.weight`` (as ``rollout_sync.rollout.lora_slots`` names the targets).
+``{module}.lora_A.weight`` (as ``rollout_sync.rollout.lora_maps`` names the targets).
 
 An adapter sync moves those tensors only; the base weights stay where they are. vLLM folds PEFT's scaling
 into B when it loads an adapter: ``lora_alpha / r``, or ``lora_alpha / sqrt(r)`` with rsLoRA (vLLM's

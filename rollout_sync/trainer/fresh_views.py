@@ -24,7 +24,7 @@ from typing import Any, Protocol
 from ..errors import LayoutError, StaleStorageError
 from ..layout.maps import TensorMap
 from ..planning.wire import encode_maps
-from ..sync.coordination import maps_digest
+from ..sync.fleet_plan import maps_digest
 
 __all__ = ["FreshViews", "Rebuild", "Watch"]
 

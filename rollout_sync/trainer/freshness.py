@@ -12,7 +12,7 @@ and the buffer's identity when the views were cut (its storage object, first ele
 count, dtype). ``stale()`` compares them: a few attribute lookups per buffer, no collective. Since each view
 keeps its buffer's storage alive, a new buffer can never reuse the old storage object: the same storage means
 the same memory. The storage's *address* is not part of the identity: a same-host transport moves a storage
-into shared memory in place (``rollout_sync.transport.mapped``), which changes its address but not the
+into shared memory in place (``rollout_sync.transport.core.mapped``), which changes its address but not the
 storage every view and DeepSpeed itself hold.
 """
 

@@ -26,17 +26,16 @@ from typing import Any
 from ..errors import HandshakeError, PlanMismatchError, SyncTimeoutError
 from ..handshake import TRAINER, Coordinator
 from ..layout.maps import TensorMap
-from ..planning.policy import ReplicaPolicy
 from ..planning.wire import encode_maps
 from ..sync.admission import AdmissionDesk
-from ..sync.coordination import Coordinated, coordinate, maps_digest
 from ..sync.endpoint import Endpoint, SyncResult, resolve_token
+from ..sync.fleet_plan import Coordinated, coordinate, maps_digest
 from ..sync.nixl_endpoint import NixlSource
 from ..sync.nixl_pull import PullEndpoint
 from ..sync.nixl_source import SourceEndpoint
+from ..sync.options import SyncOptions
 from ..sync.roster import device_kind
-from ..transport import DEFAULT_STAGING_CAP_BYTES, ExecuteOptions
-from ..transport.network import route_source, split_address
+from ..transport.core.network import route_source, split_address
 from .adapter import adapter_storage, peft_adapter
 from .fresh_views import FreshViews
 from .merged import MergedSources, merged_storage
@@ -71,16 +70,14 @@ class TrainerSync:
         engines: int,
         token: str | None = None,
         every: int | None = 1,
-        policy: ReplicaPolicy = "balanced",
-        staging_cap_bytes: int = DEFAULT_STAGING_CAP_BYTES,
-        timeout: float = 120.0,
-        backend: str = "gloo",
         state: str = "param",
-        shared_memory: bool = True,
-        delta: bool = False,
         lora: str = "adapter",
+        options: SyncOptions | None = None,
+        **overrides: Any,
     ) -> TrainerSync:
-        """Join the sync group with a live DeepSpeed engine. ``engines``: how many vLLM engines take part;
+        """Join the sync group with a live DeepSpeed engine. ``options`` (``SyncOptions``; or its fields as
+        keywords: ``timeout``, ``staging_cap_bytes``, ``shared_memory``, ``delta``, ``backend``, ``policy``):
+        the sync's options, decided by trainer rank 0 for the whole group. ``engines``: how many vLLM engines take part;
         ``every``: sync after every N-th applied optimizer step (``None``: only explicit ``sync()`` calls);
         ``state``: which trainer state to send (``param`` for the low-precision weights, ``fp32`` for the
         master weights); ``shared_memory``: ranks on one host in other processes move bytes through shared
@@ -97,6 +94,8 @@ class TrainerSync:
         import torch.distributed as dist
 
         from .storage import watched_storage
+
+        opts = SyncOptions.of(options, **overrides)
 
         # allow_gathered: after a training step ZeRO-3 keeps persistent parameters gathered; the maps and
         # views describe the partitions (ds_tensor) either way. A re-attach of a trained engine (after a
@@ -125,13 +124,8 @@ class TrainerSync:
             address=address,
             engines=engines,
             token=token,
-            policy=policy,
-            staging_cap_bytes=staging_cap_bytes,
-            timeout=timeout,
-            backend=backend,
             engine=engine,
-            shared_memory=shared_memory,
-            delta=delta,
+            options=opts,
             adapter=None
             if adapter is None or merged is not None
             else {"rank": adapter.rank, "scaling": adapter.scaling},
@@ -157,17 +151,16 @@ class TrainerSync:
         address: str,
         engines: int,
         token: str | None = None,
-        policy: ReplicaPolicy = "balanced",
-        staging_cap_bytes: int = DEFAULT_STAGING_CAP_BYTES,
-        timeout: float = 120.0,
-        backend: str = "gloo",
         engine: Any = None,
-        shared_memory: bool = True,
-        delta: bool = False,
         adapter: Mapping[str, Any] | None = None,
+        options: SyncOptions | None = None,
+        **overrides: Any,
     ) -> TrainerSync:
         """Join the sync group as trainer rank ``rank`` of ``world_size``, with maps of every trainer rank
-        (the same on every rank) and this rank's storage views. Trainer rank 0 also runs the coordinator."""
+        (the same on every rank) and this rank's storage views. Trainer rank 0 also runs the coordinator.
+        ``options``: as ``attach``'s."""
+        opts = SyncOptions.of(options, **overrides)
+        timeout, backend = opts.timeout, opts.backend
         token = resolve_token(token)
         host, port = split_address(address)
         payload = encode_maps(list(maps))
@@ -180,14 +173,7 @@ class TrainerSync:
 
             def serve() -> None:
                 try:
-                    coordinated["value"] = coordinate(
-                        coord,
-                        policy=policy,
-                        backend=backend,
-                        timeout=timeout,
-                        shared_memory=shared_memory,
-                        delta=delta,
-                    )
+                    coordinated["value"] = coordinate(coord, opts)
                 except BaseException as exc:
                     coordinated["error"] = exc
                 finally:
@@ -196,11 +182,10 @@ class TrainerSync:
 
             thread = threading.Thread(target=serve, name="rollout-sync-coordinator", daemon=True)
             thread.start()
-        options = ExecuteOptions(staging_cap_bytes=staging_cap_bytes, timeout=timeout)
         nixl_source = None
         if backend == "nixl":  # group-free: workers read this rank's registered storages (sync.nixl_endpoint)
             # delta: what changed is coded into an export of at most the staging cap (else a full sync)
-            export = staging_cap_bytes if delta else 0
+            export = opts.staging_cap_bytes if opts.delta else 0
             nixl_source = NixlSource(sources, route_source(host, port), export_bytes=export)
         try:
             endpoint = Endpoint.join(
@@ -217,7 +202,7 @@ class TrainerSync:
                     "adapter": dict(adapter) if adapter else None,
                 },
                 timeout=timeout,
-                options=options,
+                options=opts.execute_options(),
                 nixl_source=nixl_source,
             )
         except (HandshakeError, SyncTimeoutError) as exc:
@@ -234,7 +219,7 @@ class TrainerSync:
             if "error" in coordinated:
                 raise coordinated["error"]
             if backend == "nixl":  # engines that start later, or restart, join here at any time
-                desk = AdmissionDesk(coord, coordinated["value"], policy=policy, timeout=timeout)
+                desk = AdmissionDesk(coord, coordinated["value"], policy=opts.policy, timeout=timeout)
         self = cls(engine, endpoint, sources, coordinated.get("value"))
         self.desk = desk
         return self

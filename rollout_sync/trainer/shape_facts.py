@@ -10,12 +10,12 @@ engines by ``tests/deepspeed/test_trainer_storage.py``):
   ``up_proj``, ``down_proj``; a Qwen3-MoE block: fused ``experts.gate_up_proj``, ``experts.down_proj``,
   then ``gate``; under AutoEP: ``router.gate``, packed ``experts.w1``, ``w2``, ``w3``), the two layer norms,
   then the final norm and ``lm_head``;
-- AutoTP (``rollout_sync.trainer.deepspeed_geometry.autotp_shape_layout`` with ``tied``: a tied embedding is split along the vocab
+- AutoTP (``rollout_sync.geometry.deepspeed.autotp_shape_layout`` with ``tied``: a tied embedding is split along the vocab
   like the ``lm_head`` it is, since AutoTP partitions ``lm_head``, which shares the parameter);
 - AutoEP: EP rank ``k`` packs experts ``[k·E/ep, (k+1)·E/ep)``; EP groups are consecutive ranks, the
   expert-data-parallel group of EP rank ``k`` is ``[k, k + ep, ...]``; ZeRO-1/2 put the experts in their
   own optimizer group (flat buffer) over that group, the other parameters in one group over all ranks;
-- ZeRO-1/2 flat buffers: ``rollout_sync.trainer.deepspeed_geometry`` (``parameter_alignment`` and
+- ZeRO-1/2 flat buffers: ``rollout_sync.geometry.deepspeed`` (``parameter_alignment`` and
   ``round_robin_gradients`` as configured).
 """
 
@@ -26,15 +26,15 @@ from dataclasses import dataclass
 from math import prod
 
 from ..errors import LayoutError, UnsupportedLayoutError
-from ..layout.shards import Layout
-from ..shapes.tensors import LogicalTensor, ModelTensors
-from .deepspeed_geometry import (
+from ..geometry.deepspeed import (
     autotp_shape_layout,
     param_alignment_for,
     round_robin_order,
     trainer_rank_table,
     zero12_flat_layout,
 )
+from ..layout.shards import Layout
+from ..shapes.tensors import LogicalTensor, ModelTensors
 from .facts import LogicalPart, ParamFacts, TrainerFacts, ZeroGroup
 from .naming import autoep_expert_parts, fused_expert_parts, plain_parts
 from .placement import autoep_layout, single_layout

@@ -31,12 +31,12 @@ from itertools import pairwise
 from math import prod
 
 from ..errors import LayoutError, NotAffineError, UnsupportedLayoutError
+from ..geometry.deepspeed import zero3_runs
 from ..layout.box import row_major_strides
 from ..layout.maps import TensorMap
 from ..layout.nesting import nest
 from ..layout.runs import flat_run_boxes
 from ..layout.shards import FlatRun, FlatRuns, Layout, Shard, ShardBlock, ShardStorage, Whole
-from .deepspeed_geometry import zero3_runs
 from .facts import STATES, LogicalPart, ParamFacts, TrainerFacts, ZeroGroup
 
 __all__ = ["LocalRun", "StorageMap", "part_layout", "shard_storages", "state_maps"]

@@ -3,7 +3,7 @@ low-precision shard and fp32 master partition, with their shifts), the flat posi
 (``zero12_positions``) and ZeRO-3 (``zero3_positions``), and ``flat_view`` (a view of a buffer's run).
 
 - ZeRO-1/2 (``DeepSpeedZeroOptimizer``, ``BF16_Optimizer``): each optimizer group's parameters are views of
-  one flat low-precision buffer laid out by ``rollout_sync.trainer.deepspeed_geometry.zero12_flat_layout``;
+  one flat low-precision buffer laid out by ``rollout_sync.geometry.deepspeed.zero12_flat_layout``;
   group rank ``i`` keeps partition ``i`` of it in fp32. The rule gives every shard's flat offset on every
   rank; this rank's own parameter views and buffer sizes are checked against it.
 - ZeRO-3 (``DeepSpeedZeroOptimizer_Stage3``): each sub-group's ``ds_tensor`` partitions lie back to back in
@@ -22,8 +22,8 @@ from typing import Any
 import torch
 
 from ..errors import LayoutError, UnsupportedLayoutError
+from ..geometry.deepspeed import param_alignment_for, zero12_flat_layout
 from ..layout.dtypes import dtype_name
-from .deepspeed_geometry import param_alignment_for, zero12_flat_layout
 from .engine_parts import group_ranks
 from .facts import ZeroGroup
 from .placement_reader import ParamPlacement

@@ -2,18 +2,16 @@
 rollout ranks (gloo on CPUs, NCCL on GPUs), with bounded staging, an agreement before anything moves, and
 bounded waits.
 
-``executor`` runs one sync (``Executor.execute`` / ``execute``): ``half_check`` and ``local_check``, then
-``agreement`` (with ``fingerprint``), then the schedule (``messages`` cuts each pair stream into messages,
-``schedule`` assigns rounds and staging slots, ``copies`` addresses parts in storage; all pure), compiled by
-``program``, then the transfer: ``full_transfer`` (over ``p2p``, with ``handoff`` within a process and
-``same_host`` / ``shared_memory`` / ``pulls`` within a host), or a delta sync (``delta``: ``delta_state``,
-``delta_shadow``, ``delta_run``, ``delta_landing``, ``delta_codec``). ``groups`` builds the cross-process
-group.
+``executor`` runs one sync (``Executor.execute`` / ``execute``): the checks and the agreement, then the
+schedule compiled into a program (all in ``core/``, the group path's parts), then the transfer:
+``full_transfer`` (over ``core.p2p``, with handoffs within a process and ``same_host/`` within a host), or
+a delta sync (``delta/``). ``nixl/`` holds the group-free reads. Folders import downward only:
+``core`` ← ``same_host``, ``delta``, ``nixl`` ← ``full_transfer``, ``executor``.
 """
 
+from .core.groups import build_group, group_backend, group_rank, group_size, new_group
+from .core.stats import DEFAULT_STAGING_CAP_BYTES, ExecuteOptions, SyncStats
 from .executor import Executor, execute
-from .groups import build_group, group_backend, group_rank, group_size, new_group
-from .stats import DEFAULT_STAGING_CAP_BYTES, ExecuteOptions, SyncStats
 
 __all__ = [
     "DEFAULT_STAGING_CAP_BYTES",

@@ -12,7 +12,7 @@ Lifecycle of one sync (every rank of the group calls ``Executor.execute``, even 
    messages on both ends (``schedule.build_schedule``), compiled into copies (``program``).
 4. **transfer** — a full sync runs every message of the program (``full_transfer``; same-host pairs in
    other processes map the sender's storages, else go through shared memory or pull: ``same_host``); a delta sync, when every rank names
-   the same base (``delta_state``), sends only what changed (``delta_run``).
+   the same base (``delta.state``), sends only what changed (``delta.run``).
 
 After a transport failure (``PeerFailedError`` / ``SyncTimeoutError``) the group's connections to the
 failed peer may be closed (gloo closes a pair on a timeout): build a new group before the next sync. A
@@ -32,26 +32,26 @@ import torch
 
 from ..layout.dtypes import itemsize
 from ..planning.half import PlanHalf
-from . import agreement
-from .delta import layout_key
-from .delta_state import DeltaState
-from .fingerprint import pair_sums, table_hash
+from .core import agreement
+from .core.fingerprint import pair_sums, table_hash
+from .core.groups import group_backend, group_rank, group_size
+from .core.half_check import check_half
+from .core.in_process import InProcess
+from .core.local_check import check_storages
+from .core.p2p import transport_for
+from .core.pair_messages import Message
+from .core.program import Program, ProgramCache
+from .core.schedule import Schedule, message_offer, message_sizes
+from .core.staging import StagingArena, slots_room
+from .core.stats import ExecuteOptions, PhaseClock, SyncStats
+from .core.target_streams import Targets, TargetStream
+from .delta.packed_program import layout_key
+from .delta.state import DeltaState
 from .full_transfer import FullTransfer
-from .groups import group_backend, group_rank, group_size
-from .half_check import check_half
-from .handoff import Handoffs, copy_segments
-from .in_process import InProcess
-from .local_check import check_storages
-from .messages import Message
-from .p2p import transport_for
-from .program import Program, ProgramCache
-from .pulls import pulled_bytes
-from .same_host import SameHostPairs, lets_go_on_failure
-from .schedule import Schedule, message_offer, message_sizes
-from .shared_memory import SameHost
-from .staging import StagingArena, slots_room
-from .stats import ExecuteOptions, PhaseClock, SyncStats
-from .targets import Targets, TargetStream
+from .same_host.handoff import Handoffs, copy_segments
+from .same_host.pairs import SameHostPairs, lets_go_on_failure
+from .same_host.pulls import pulled_bytes
+from .same_host.shared_memory import SameHost
 
 __all__ = ["Executor", "execute"]
 

@@ -28,15 +28,15 @@ from collections.abc import Mapping
 import torch
 
 from ..planning.half import PlanHalf
-from .handoff import Handoffs, copy_segments
-from .messages import Message
-from .p2p import Op, Pending, Transport
-from .program import PartProgram, Program, pack, unpack, unpack_by_tensor, view
-from .pulls import Pulls
-from .same_host import SameHostPairs
-from .shared_memory import SIGNAL_ONLY, SharedSegments
-from .stats import PhaseClock
-from .targets import Targets
+from .core.p2p import Op, Pending, Transport
+from .core.pair_messages import Message
+from .core.program import PartProgram, Program, pack, unpack, unpack_by_tensor, view
+from .core.stats import PhaseClock
+from .core.target_streams import Targets
+from .same_host.handoff import Handoffs, copy_segments
+from .same_host.pairs import SameHostPairs
+from .same_host.pulls import Pulls
+from .same_host.shared_memory import SIGNAL_ONLY, SharedSegments
 
 __all__ = ["FullTransfer"]
 

@@ -27,9 +27,10 @@ import torch
 import torch.distributed as tdist
 from trainer_helpers import checkpoint_tensors, compare_views, full_tensors, run_engines, same_bits, timed
 
+from rollout_sync.geometry import trainer_maps, vllm_target_maps
 from rollout_sync.layout.maps import TensorMap
 from rollout_sync.planning.planner import plan_model
-from rollout_sync.shapes import model_tensors, trainer_maps, vllm_target_maps
+from rollout_sync.shapes import model_tensors
 from rollout_sync.trainer import state_maps, trainer_storage, trainer_storages
 from rollout_sync.trainer.shape_facts import dry_run_facts
 from testbed.expected_storage import extract

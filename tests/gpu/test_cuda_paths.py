@@ -12,7 +12,7 @@ import json
 import pytest
 import torch
 
-from rollout_sync.transport.delta_codec import (
+from rollout_sync.transport.delta.change_codec import (
     bits_dtype,
     changed_positions,
     decode_positions,
@@ -47,7 +47,7 @@ def test_the_device_coding_writes_the_cpu_bytes_and_reads_them_back(itemsize: in
 
 
 def test_a_cuda_ipc_handle_names_the_storages_block_and_offset() -> None:
-    from rollout_sync.transport import cuda_ipc
+    from rollout_sync.transport.core import cuda_ipc
 
     block = torch.zeros(1 << 20, dtype=torch.uint8, device="cuda")
     words, offset, nbytes = cuda_ipc.export(block[4096:])
@@ -82,7 +82,7 @@ def _killed_sender(rank: int, world: int, group, group_id: str, device_type: str
     from rollout_sync.errors import PeerFailedError, SyncTimeoutError
     from rollout_sync.planning.planner import plan_model
     from rollout_sync.transport import ExecuteOptions, Executor
-    from rollout_sync.transport.shared_memory import SameHost
+    from rollout_sync.transport.same_host.shared_memory import SameHost
 
     cuda = device_type == "cuda"
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")

@@ -47,7 +47,7 @@ def _child(
     try:
         import torch
 
-        from rollout_sync.transport.groups import connect_store, new_group
+        from rollout_sync.transport.core.groups import connect_store, new_group
 
         if threads is not None:
             torch.set_num_threads(threads)

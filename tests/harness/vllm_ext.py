@@ -141,7 +141,7 @@ class TestWorkerExtension(RolloutSyncExtension):
         vLLM's: the error it raises (``"Type: message"``), or None. The worker's targets are unchanged."""
         import functools
 
-        import vllm_plugin.targets as targets
+        import vllm_plugin.worker_maps as targets
 
         original = targets.shape_targets
         targets.shape_targets = functools.partial(original, vocab_padding=vocab_padding)  # type: ignore[assignment]

@@ -27,8 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch
 
+from rollout_sync.geometry.model_maps import trainer_maps, vllm_target_maps
 from rollout_sync.shapes import model_tensors
-from rollout_sync.shapes.sides import trainer_maps, vllm_target_maps
 from testbed.expected_storage import extract, local_part
 from tests.harness.session_model import CONFIG, TRAINERS, WORKERS, full_tensors, stepped_tensors
 

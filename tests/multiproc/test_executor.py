@@ -88,7 +88,8 @@ def test_random_planner_plans_fill_every_target_with_its_oracle_and_change_nothi
 
 
 def _tiny_qwen3_maps():
-    from rollout_sync.shapes import model_tensors, trainer_maps, vllm_target_maps
+    from rollout_sync.geometry import trainer_maps, vllm_target_maps
+    from rollout_sync.shapes import model_tensors
 
     config = {
         "model_type": "qwen3",

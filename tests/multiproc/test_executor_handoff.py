@@ -23,8 +23,8 @@ from test_executor_layouts import (
 
 from rollout_sync.errors import PeerFailedError
 from rollout_sync.transport import ExecuteOptions, Executor
-from rollout_sync.transport.groups import connect_store, new_group
-from rollout_sync.transport.in_process import InProcess
+from rollout_sync.transport.core.groups import connect_store, new_group
+from rollout_sync.transport.core.in_process import InProcess
 
 WORLD = 4
 PROCESS_OF = {0: "a", 1: "b", 2: "a", 3: "b"}

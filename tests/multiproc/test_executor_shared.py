@@ -27,7 +27,7 @@ from test_executor_layouts import (
 from rollout_sync.errors import PeerFailedError, SyncTimeoutError
 from rollout_sync.planning.planner import plan_model
 from rollout_sync.transport import ExecuteOptions, Executor
-from rollout_sync.transport.shared_memory import SHM_PREFIX, SameHost, shm_dir
+from rollout_sync.transport.same_host.shared_memory import SHM_PREFIX, SameHost, shm_dir
 from tests.harness.ranks import run_on_ranks
 
 
@@ -143,7 +143,7 @@ def _pulled(rank: int, world: int, group, group_id: str, can_pull: bool) -> dict
     """Dense same-dtype segments (rows of one rank into whole tensors elsewhere): pulled by the receiver
     straight from the sender's storage where the probe says it can read it, else packed into shared
     slots; exact either way."""
-    from rollout_sync.transport import cross_memory
+    from rollout_sync.transport.same_host import cross_memory
 
     if not can_pull:  # as where a seccomp filter or Yama forbids reading another process
 
@@ -323,7 +323,7 @@ def _unshareable(rank: int, world: int, group, group_id: str) -> dict:
     """Rank 0 cannot share its storages (as a process out of file descriptors or of /dev/shm): at the probe
     it offers no mapping, so its sends go through pulls and shared slots while rank 1's are still mapped;
     exact both ways."""
-    from rollout_sync.transport import mapped
+    from rollout_sync.transport.core import mapped
 
     if rank == 0:
 

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from rollout_sync.errors import PeerFailedError, SyncTimeoutError
+from rollout_sync.geometry.model_maps import trainer_maps, vllm_target_maps
 from rollout_sync.shapes import model_tensors
-from rollout_sync.shapes.sides import trainer_maps, vllm_target_maps
 from testbed.expected_storage import extract, local_part
 from testbed.rank_pool import RankError, RankPool, free_port
 from tests.harness.session_model import CONFIG, TRAINERS, WORKERS, full_tensors

@@ -1,4 +1,4 @@
-"""Real ``vllm serve`` servers on loopback for tests, started through ``python -m rollout_sync.serve``.
+"""Real ``vllm serve`` servers on loopback for tests, started through ``python -m vllm_plugin.serve``.
 
 Each server runs in its own session (process group), so that stopping it ends its engine core and workers
 too; ``stop`` waits for the group to be gone and kills it by id if it is not.
@@ -43,7 +43,7 @@ def serve_command(
     return [
         sys.executable,
         "-m",
-        "rollout_sync.serve",
+        "vllm_plugin.serve",
         "serve",
         str(model),
         *(["--worker-extension-cls", extension] if extension else []),

@@ -1,4 +1,4 @@
-"""Real ``vllm serve`` servers on loopback (launched with ``python -m rollout_sync.serve``), synced from a
+"""Real ``vllm serve`` servers on loopback (launched with ``python -m vllm_plugin.serve``), synced from a
 2-rank ZeRO-3 DeepSpeed trainer through the servers' own HTTP routes (``/collective_rpc``, ``/pause``,
 ``/resume``, ``/update_weight_version``) and the ZeroMQ handshake, and through vLLM's weight-transfer routes
 (``--weight-transfer-config '{"backend": "rollout_sync"}'``).

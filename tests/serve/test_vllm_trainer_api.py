@@ -33,7 +33,7 @@ def trainer_init(ctx: RankContext, url: str, port: int, plain: bool = False) -> 
         WeightTransferTrainerFactory,
     )
 
-    from rollout_sync.integrations.vllm_trainer import RolloutSyncTrainerInitInfo
+    from vllm_plugin.trainer_engine import RolloutSyncTrainerInitInfo
 
     model = torch.nn.Linear(4, 4) if plain else ctx.state["engine"]
     try:

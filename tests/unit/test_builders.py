@@ -12,15 +12,15 @@ from hypothesis import strategies as st
 from test_nesting import arange, check_storages, check_tiling, zero3_parts
 
 from rollout_sync.errors import LayoutError
-from rollout_sync.layout.builders import (
-    even_sizes,
-    replicated_layout,
-    replicated_map,
-    split_layout,
-    split_map,
-    sub_param_layout,
+from rollout_sync.geometry.deepspeed import (
+    autotp_shard_sizes,
+    tp_zero_map,
+    zero3_map,
+    zero3_partition_numel,
+    zero3_runs,
+    zero_replica_map,
 )
-from rollout_sync.rollout.vllm_geometry import (
+from rollout_sync.geometry.vllm import (
     vllm_column_map,
     vllm_expert_map,
     vllm_expert_owner,
@@ -31,13 +31,13 @@ from rollout_sync.rollout.vllm_geometry import (
     vllm_vocab_map,
     vllm_vocab_rows,
 )
-from rollout_sync.trainer.deepspeed_geometry import (
-    autotp_shard_sizes,
-    tp_zero_map,
-    zero3_map,
-    zero3_partition_numel,
-    zero3_runs,
-    zero_replica_map,
+from rollout_sync.layout.builders import (
+    even_sizes,
+    replicated_layout,
+    replicated_map,
+    split_layout,
+    split_map,
+    sub_param_layout,
 )
 
 # --------------------------------------------------------------------------------------------------------

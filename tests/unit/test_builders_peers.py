@@ -7,8 +7,8 @@ import os
 
 import pytest
 
-from rollout_sync.rollout.vllm_geometry import vllm_expert_owner, vllm_vocab_rows
-from rollout_sync.trainer.deepspeed_geometry import autotp_shard_sizes, zero3_partition_numel
+from rollout_sync.geometry.deepspeed import autotp_shard_sizes, zero3_partition_numel
+from rollout_sync.geometry.vllm import vllm_expert_owner, vllm_vocab_rows
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +69,7 @@ def test_deepspeed_autotp_groups_follow_the_trainer_rank_table(
     ``dist``: every rank's TP and DP groups are the rows and columns of ``trainer_rank_table``."""
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     groups = pytest.importorskip("deepspeed.utils.groups")
-    from rollout_sync.trainer.deepspeed_geometry import trainer_rank_table
+    from rollout_sync.geometry.deepspeed import trainer_rank_table
 
     table = trainer_rank_table(dp, tp)
     for rank in range(dp * tp):

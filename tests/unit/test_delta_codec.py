@@ -20,9 +20,13 @@ from hypothesis import strategies as st
 from rollout_sync.layout.box import Box, row_major_strides
 from rollout_sync.layout.maps import Piece, RankStorage, TensorMap
 from rollout_sync.planning.planner import plan_model
-from rollout_sync.transport import delta_compare, delta_landing
-from rollout_sync.transport.delta import message_itemsize
-from rollout_sync.transport.delta_codec import (
+from rollout_sync.transport.core.pair_messages import pair_messages
+from rollout_sync.transport.core.program import compile_program, pack, torch_dtype, unpack
+from rollout_sync.transport.core.schedule import build_schedule
+from rollout_sync.transport.core.target_streams import Targets
+from rollout_sync.transport.delta import compare as delta_compare
+from rollout_sync.transport.delta import landing as delta_landing
+from rollout_sync.transport.delta.change_codec import (
     HEAD_BYTES,
     _decode_positions_torch,
     _decode_values_torch,
@@ -35,13 +39,10 @@ from rollout_sync.transport.delta_codec import (
     encoded_bytes,
     max_encoded_bytes,
 )
-from rollout_sync.transport.delta_compare import Run, Scratch, find_changes, np_bits
-from rollout_sync.transport.delta_landing import Landing, apply_changes
-from rollout_sync.transport.delta_shadow import message_runs
-from rollout_sync.transport.messages import pair_messages
-from rollout_sync.transport.program import compile_program, pack, torch_dtype, unpack
-from rollout_sync.transport.schedule import build_schedule
-from rollout_sync.transport.targets import Targets
+from rollout_sync.transport.delta.compare import Run, Scratch, find_changes, np_bits
+from rollout_sync.transport.delta.landing import Landing, apply_changes
+from rollout_sync.transport.delta.packed_program import message_itemsize
+from rollout_sync.transport.delta.shadow import message_runs
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.uint8, torch.int32)
 

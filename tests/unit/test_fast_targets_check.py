@@ -9,11 +9,11 @@ from dataclasses import replace
 import pytest
 
 from rollout_sync.errors import TargetMismatchError, UnsupportedLayoutError
+from rollout_sync.geometry.model_maps import vllm_target_maps
 from rollout_sync.layout.box import row_major_strides
 from rollout_sync.rollout.check import LoaderTrace, TracedCopy, check_targets, target_differences
 from rollout_sync.rollout.shape_targets import shape_targets, vllm_param_views
 from rollout_sync.shapes import model_tensors
-from rollout_sync.shapes.sides import vllm_target_maps
 
 CONFIG = {
     "model_type": "qwen3",

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from rollout_sync.errors import LayoutError, PlanMismatchError, StaleStorageError
 from rollout_sync.layout.builders import replicated_map
 from rollout_sync.planning.wire import encode_maps
-from rollout_sync.sync.coordination import maps_digest
+from rollout_sync.sync.fleet_plan import maps_digest
 from rollout_sync.trainer.fresh_views import FreshViews
 
 MAPS = [replicated_map("w", (4, 8), "bfloat16", [0, 1])]

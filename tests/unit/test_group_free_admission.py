@@ -10,7 +10,7 @@ import pytest
 
 from rollout_sync.errors import HandshakeError
 from rollout_sync.handshake import ROLLOUT, TRAINER, PeerInfo
-from rollout_sync.sync.coordination import check_group_free, entry_of
+from rollout_sync.sync.fleet_plan import check_group_free, entry_of
 
 
 def _peer(role: str, local_rank: int, pid: int, **fields: Any) -> PeerInfo:

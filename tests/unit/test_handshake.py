@@ -228,7 +228,11 @@ def test_a_process_that_says_hello_again_replaces_its_first_hello_and_another_pr
         first_t, first = in_thread(hello_from(coord.address, 0, pid=7, wait=False))
         first_t.join(10)  # its hello reached the coordinator; its wait for the welcome ran out
         assert isinstance(first["error"], SyncTimeoutError), first
-        jobs = [in_thread(hello_from(coord.address, r, pid=7 + r, wait=True)) for r in (0, 1)]
+        # rank 0's second hello first: were rank 1's first, admit could complete with rank 0's stale hello
+        # (its socket gone: the welcome would be unroutable), as it did once on a loaded machine
+        jobs = [in_thread(hello_from(coord.address, 0, pid=7, wait=True))]
+        time.sleep(1.0)
+        jobs.append(in_thread(hello_from(coord.address, 1, pid=8, wait=True)))
         peers = coord.admit()
         assert [(p.local_rank, p.fields["pid"]) for p in peers] == [(0, 7), (1, 8)]
         coord.welcome({p.identity: ({"rank": p.local_rank}, b"") for p in peers})

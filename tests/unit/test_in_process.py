@@ -12,7 +12,7 @@ import torch
 
 from rollout_sync.errors import UnsupportedLayoutError
 from rollout_sync.integrations.weight_sync import check_trainer
-from rollout_sync.transport.in_process import InProcess
+from rollout_sync.transport.core.in_process import InProcess
 
 SHORT = timedelta(seconds=0.2)
 

@@ -15,7 +15,7 @@ from rollout_sync.layout.box import Box, row_major_strides
 from rollout_sync.layout.combine import merge
 from rollout_sync.layout.maps import Piece, RankStorage, TensorMap
 from rollout_sync.planning.planner import plan_model
-from rollout_sync.rollout.lora_slots import LoraSlice, slice_targets, slot_a_name, staged_name
+from rollout_sync.rollout.lora_maps import LoraSlice, slice_targets, slot_a_name, staged_name
 from rollout_sync.trainer.adapter import adapter_config, adapter_maps, adapter_tensor_name
 
 LORA = {"peft_type": "LORA", "r": 8, "lora_alpha": 16, "target_modules": ["q_proj", "v_proj"], "bias": "none"}

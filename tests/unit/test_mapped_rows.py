@@ -15,10 +15,12 @@ import torch
 
 from benchmarks.execute import qwen3_like
 from rollout_sync.errors import BackendDeviceError
+from rollout_sync.geometry import trainer_maps, vllm_target_maps
 from rollout_sync.planning.planner import plan_model
-from rollout_sync.shapes import model_tensors, trainer_maps, vllm_target_maps
-from rollout_sync.transport import ExecuteOptions, Executor, cuda_ipc
-from rollout_sync.transport.mapped import (
+from rollout_sync.shapes import model_tensors
+from rollout_sync.transport import ExecuteOptions, Executor
+from rollout_sync.transport.core import cuda_ipc
+from rollout_sync.transport.core.mapped import (
     CUDA_IPC,
     MEMORY_FILE,
     ROW,
@@ -127,7 +129,7 @@ def test_a_receiver_checks_its_senders_maps_not_the_ones_it_is_mapped_by() -> No
 
 
 def test_gloo_takes_cuda_storages_only_where_every_rank_may_map_every_other_through_cuda_ipc() -> None:
-    from rollout_sync.sync.coordination import check_backend
+    from rollout_sync.sync.fleet_plan import check_backend
 
     all_cuda = {"trainer rank 0": "cuda", "engine 0 worker 0": "cuda"}
     check_backend("gloo", all_cuda, ipc=True)  # one host, shared memory, no delta: CUDA IPC

@@ -11,10 +11,11 @@ import pytest
 from test_nesting import arange, check_storages, check_tiling, zero3_parts
 
 from rollout_sync.errors import LayoutError, UnsupportedLayoutError
+from rollout_sync.geometry import trainer_maps, vllm_target_maps
+from rollout_sync.geometry.deepspeed import tp_zero_map, trainer_rank_table
+from rollout_sync.geometry.vllm import vllm_engine_ranks, vllm_qkv_part_map
 from rollout_sync.layout.builders import split_layout
-from rollout_sync.rollout.vllm_geometry import vllm_engine_ranks, vllm_qkv_part_map
-from rollout_sync.shapes import PRESETS, model_tensors, preset, trainer_maps, vllm_target_maps
-from rollout_sync.trainer.deepspeed_geometry import tp_zero_map, trainer_rank_table
+from rollout_sync.shapes import PRESETS, model_tensors, preset
 
 TINY_QWEN3: dict[str, Any] = {
     "model_type": "qwen3",
@@ -315,7 +316,7 @@ def test_a_large_moe_dry_run_builds_every_map() -> None:
 
 
 def test_autotp_layout_of_mla_projections_is_refused_not_guessed() -> None:
-    from rollout_sync.trainer.deepspeed_geometry import autotp_shape_layout
+    from rollout_sync.geometry.deepspeed import autotp_shape_layout
 
     m = model_tensors(TINY_DEEPSEEK)
     q_b = m.by_name()["model.layers.0.self_attn.q_b_proj.weight"]

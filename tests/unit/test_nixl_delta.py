@@ -9,10 +9,11 @@ import pytest
 import torch
 
 from rollout_sync.errors import WireFormatError
+from rollout_sync.geometry.model_maps import trainer_maps, vllm_target_maps
 from rollout_sync.planning.planner import plan_model
 from rollout_sync.shapes import model_tensors
-from rollout_sync.shapes.sides import trainer_maps, vllm_target_maps
-from rollout_sync.transport.nixl_delta import (
+from rollout_sync.transport.core.target_streams import Targets
+from rollout_sync.transport.delta.nixl_export import (
     TABLE_BYTES,
     DeltaExport,
     apply_region,
@@ -20,7 +21,6 @@ from rollout_sync.transport.nixl_delta import (
     export_buffer,
     read_table,
 )
-from rollout_sync.transport.targets import Targets
 from testbed.expected_storage import extract
 from tests.harness.session_model import CONFIG, TRAINERS, WORKERS, full_tensors, step_tensors
 

@@ -8,11 +8,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from rollout_sync.geometry.model_maps import trainer_maps, vllm_target_maps
 from rollout_sync.planning.planner import plan_model
 from rollout_sync.shapes import model_tensors
-from rollout_sync.shapes.sides import trainer_maps, vllm_target_maps
-from rollout_sync.transport.nixl_reads import read_plan
-from rollout_sync.transport.program import torch_dtype, view
+from rollout_sync.transport.core.program import torch_dtype, view
+from rollout_sync.transport.nixl.reads import read_plan
 from testbed.expected_storage import extract, local_part
 from tests.harness.session_model import CONFIG, TRAINERS, WORKERS, full_tensors
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from rollout_sync.sync.coordination import PlanCache, layout_version
+from rollout_sync.sync.fleet_plan import PlanCache, layout_version
 
 
 def test_the_layout_version_changes_with_any_maps_digest_or_the_policy_and_not_with_peer_order():

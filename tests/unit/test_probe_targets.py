@@ -1,5 +1,5 @@
 """Merging workers' target-map parts into fleet maps, and each engine's coverage check
-(``rollout_sync.rollout.targets``), pure: parts are built as the probe builds them."""
+(``rollout_sync.rollout.fleet_maps``), pure: parts are built as the probe builds them."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import pytest
 from rollout_sync.errors import HoleError, LayoutError, OverlapError
 from rollout_sync.layout.box import Box
 from rollout_sync.layout.maps import Piece, RankStorage, TensorMap
+from rollout_sync.rollout.fleet_maps import assemble
 from rollout_sync.rollout.local_targets import LocalTargets, fallback_map
 from rollout_sync.rollout.storage_view import StorageView
-from rollout_sync.rollout.targets import assemble
 
 
 def part(rank: int, name: str, shape, boxes, param="p", dtype="bfloat16") -> tuple[TensorMap, StorageView]:

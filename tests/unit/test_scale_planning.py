@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from planner_layouts import ANY, shapes, tensor_maps
 
 from rollout_sync.errors import ReplicaPolicyError
+from rollout_sync.geometry import trainer_maps, vllm_target_maps
 from rollout_sync.layout.box import Box
 from rollout_sync.layout.maps import TensorMap
 from rollout_sync.planning.by_layout import plan_model_by_layout
@@ -18,7 +19,7 @@ from rollout_sync.planning.planner import plan_model
 from rollout_sync.planning.policy import Balanced, ReplicaRequest, Spread
 from rollout_sync.planning.rank_half import plan_rank_half
 from rollout_sync.scale.traffic import Topology, plan_traffic
-from rollout_sync.shapes import model_tensors, trainer_maps, vllm_target_maps
+from rollout_sync.shapes import model_tensors
 
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

@@ -170,8 +170,8 @@ def test_topology_places_rollout_gpus_after_the_trainers_nodes_unless_nodes_are_
 def test_message_offers_are_the_executors_and_the_default_cap_is_the_executors():
     from rollout_sync.scale.dry_run import DEFAULT_STAGING_CAP_BYTES
     from rollout_sync.scale.rounds import message_offers, rank_rounds
-    from rollout_sync.transport.schedule import build_schedule, wanted_message_bytes
-    from rollout_sync.transport.stats import DEFAULT_STAGING_CAP_BYTES as EXECUTOR_DEFAULT
+    from rollout_sync.transport.core.schedule import build_schedule, wanted_message_bytes
+    from rollout_sync.transport.core.stats import DEFAULT_STAGING_CAP_BYTES as EXECUTOR_DEFAULT
 
     assert DEFAULT_STAGING_CAP_BYTES == EXECUTOR_DEFAULT
     sources, targets = whole_model(QWEN3_MOE, 1, 4, 1, 2, 2, 2, 2)

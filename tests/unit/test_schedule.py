@@ -14,9 +14,9 @@ from rollout_sync.layout.dtypes import itemsize
 from rollout_sync.planning.half import PlanHalf
 from rollout_sync.planning.plan import Plan
 from rollout_sync.planning.records import PlannedTensor, Segment
-from rollout_sync.transport.copies import part_copies
-from rollout_sync.transport.half_check import check_half
-from rollout_sync.transport.messages import (
+from rollout_sync.transport.core.copies import part_copies
+from rollout_sync.transport.core.half_check import check_half
+from rollout_sync.transport.core.pair_messages import (
     ALIGN,
     DIRECT_MIN_BYTES,
     Message,
@@ -25,7 +25,7 @@ from rollout_sync.transport.messages import (
     pair_messages,
     wire_dtype,
 )
-from rollout_sync.transport.schedule import build_schedule, peers_of, wanted_message_bytes
+from rollout_sync.transport.core.schedule import build_schedule, peers_of, wanted_message_bytes
 
 DTYPES = ("float32", "bfloat16", "float16", "float64", "int8")
 

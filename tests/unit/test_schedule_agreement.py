@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from rollout_sync.errors import PlanMismatchError
 from rollout_sync.planning.plan import Plan
 from rollout_sync.planning.records import PlannedTensor, Segment
-from rollout_sync.transport.agreement import (
+from rollout_sync.transport.core.agreement import (
     RECORD_BYTES,
     Record,
     decide,
@@ -20,7 +20,7 @@ from rollout_sync.transport.agreement import (
     digest_sha,
     encode,
 )
-from rollout_sync.transport.fingerprint import pair_sums, table_hash
+from rollout_sync.transport.core.fingerprint import pair_sums, table_hash
 
 
 def _plan() -> Plan:

@@ -12,12 +12,13 @@ import os
 import pytest
 
 from rollout_sync.errors import CoverageError, HoleError
+from rollout_sync.geometry import trainer_maps, vllm_target_maps
 from rollout_sync.layout.box import Box
+from rollout_sync.layout.coverage import check_engine_coverage
 from rollout_sync.layout.maps import Piece, RankStorage, TensorMap
 from rollout_sync.layout.sweep import first_uncovered
 from rollout_sync.planning.planner import plan_model, plan_tensor
-from rollout_sync.rollout.targets import check_engine_coverage
-from rollout_sync.shapes import model_tensors, trainer_maps, vllm_target_maps
+from rollout_sync.shapes import model_tensors
 
 CONFIG = {
     "model_type": "qwen3_moe",

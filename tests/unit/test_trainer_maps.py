@@ -14,8 +14,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rollout_sync.errors import LayoutError, NotAffineError, UnsupportedLayoutError
+from rollout_sync.geometry.deepspeed import param_alignment_for, round_robin_order, zero12_flat_layout
 from rollout_sync.layout.shards import Layout, Shard, ShardBlock
-from rollout_sync.trainer.deepspeed_geometry import param_alignment_for, round_robin_order, zero12_flat_layout
 from rollout_sync.trainer.facts import LogicalPart, ParamFacts, TrainerFacts, ZeroGroup
 from rollout_sync.trainer.naming import autoep_expert_parts, fused_expert_parts, plain_parts
 from rollout_sync.trainer.placement import autoep_layout, autotp_layout, replicated_layout, single_layout
@@ -421,7 +421,8 @@ TINY_MOE = {
 def test_dry_run_param_maps_equal_the_map_builders_and_every_state_addresses_deepspeed_buffers(
     config: dict, stage: int, dp: int, tp: int, ep: int
 ) -> None:
-    from rollout_sync.shapes import model_tensors, trainer_maps
+    from rollout_sync.geometry import trainer_maps
+    from rollout_sync.shapes import model_tensors
     from rollout_sync.trainer.shape_facts import dry_run_facts
 
     model = model_tensors(config)

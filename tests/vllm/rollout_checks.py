@@ -10,10 +10,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from rollout_sync.geometry.model_maps import vllm_target_maps
 from rollout_sync.layout.maps import TensorMap
 from rollout_sync.rollout.check import canonical_map
-from rollout_sync.rollout.targets import RolloutTargets
-from rollout_sync.shapes.sides import vllm_target_maps
+from rollout_sync.rollout.fleet_maps import RolloutTargets
 from rollout_sync.shapes.tensors import model_tensors
 from tests.harness.vllm_engines import DEFAULT_PROMPTS, VllmEngine
 from vllm_plugin.driver import apply_checkpoint, setup_engines

@@ -15,8 +15,8 @@ from rollout_sync.layout.box import Box
 from rollout_sync.layout.combine import renumber
 from rollout_sync.layout.maps import Piece, RankStorage
 from rollout_sync.rollout.codec import local_targets_from_dict
+from rollout_sync.rollout.fleet_maps import assemble
 from rollout_sync.rollout.local_targets import LocalTargets
-from rollout_sync.rollout.targets import assemble
 from tests.harness.vllm_engines import shared_spec
 from tests.vllm.ep_workaround import ep_spec
 from vllm_plugin.calls import call

@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from rollout_sync.rollout.targets import RolloutTargets
+from rollout_sync.rollout.fleet_maps import RolloutTargets
 from tests.vllm.ep_workaround import ep_spec
 from tests.vllm.rollout_checks import Snapshot, builder_differences, differing_params, snapshot
 from vllm_plugin.driver import setup_engines
@@ -107,7 +107,7 @@ def test_the_probed_expert_parallel_maps_equal_the_pure_builders(run: Run):
     # ep == tp selects vLLM's enable_expert_parallel layout in the builder.
     import json
 
-    from rollout_sync.shapes.sides import vllm_target_maps
+    from rollout_sync.geometry.model_maps import vllm_target_maps
     from rollout_sync.shapes.tensors import model_tensors
 
     config = json.loads((run.b / "config.json").read_text())

@@ -22,7 +22,7 @@ from rollout_sync.layout.maps import Piece, RankStorage, TensorMap
 from rollout_sync.planning.plan import Plan
 from rollout_sync.planning.planner import plan_model
 from rollout_sync.rollout.checkpoint import logical_tensors
-from rollout_sync.rollout.targets import RolloutTargets
+from rollout_sync.rollout.fleet_maps import RolloutTargets
 from tests.harness.vllm_engines import shared_spec
 from tests.vllm.rollout_checks import Snapshot, builder_differences, differing_params, snapshot
 from vllm_plugin.driver import setup_engines
