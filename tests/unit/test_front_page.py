@@ -96,3 +96,17 @@ def test_the_readme_imports_rollout_sync_only_from_its_top_level() -> None:
     assert {module for module, _ in imported} == {"rollout_sync"}
     names = {n.strip() for _, names in imported for n in names.split(",")}
     assert names <= set(rollout_sync.__all__), names - set(rollout_sync.__all__)
+
+
+def test_every_path_the_docs_name_in_the_checkout_exists() -> None:
+    """A file or folder of this checkout named in code font in the README or a docs page exists (a module
+    moved without its docs fails here; mkdocs checks only the pages' links)."""
+    tops = ("rollout_sync/", "vllm_plugin/", "benchmarks/", "tests/", "testbed/", "examples/", "scripts/")
+    pages = [README, *sorted((ROOT / "docs").glob("*.md"))]
+    missing = {
+        f"{page.name}: {path}"
+        for page in pages
+        for path in re.findall(r"`([\w./-]+)`", page.read_text())
+        if path.startswith(tops) and "*" not in path and not (ROOT / path.rstrip("/")).exists()
+    }
+    assert missing == set()
