@@ -211,10 +211,10 @@ def test_two_served_engines_at_tp_2_synced_in_one_step_equal_a_fresh_server_load
 
 
 def stream_greedy(
-    engine: ServerEngine, prompt: list[int], max_tokens: int, started: threading.Event
-) -> list[tuple[int, float]]:
-    """A streamed greedy completion: every token id with the time its chunk arrived; ``started`` is set at the
-    first token (the request is then running on the server)."""
+    engine: ServerEngine, prompt: list[int], max_tokens: int, started: threading.Event, got: list[int]
+) -> list[int]:
+    """A streamed greedy completion: every token id appended to ``got`` as its chunk arrives; ``started`` is
+    set at the first token (the request is then running on the server)."""
     body = {
         "prompt": prompt,
         "max_tokens": max_tokens,
@@ -229,51 +229,69 @@ def stream_greedy(
         method="POST",
         headers={"Content-Type": "application/json"},
     )
-    got: list[tuple[int, float]] = []
     with urllib.request.urlopen(req, timeout=120) as resp:
         for raw in resp:
             line = raw.decode().strip()
             if not line.startswith("data:") or line == "data: [DONE]":
                 continue
             chunk = json.loads(line[len("data:") :])
-            now = time.monotonic()
-            got += [(int(t), now) for t in chunk["choices"][0].get("token_ids") or []]
+            got.extend(int(t) for t in chunk["choices"][0].get("token_ids") or [])
             if got:
                 started.set()
     return got
 
 
+def frozen_request(
+    engine: ServerEngine, pool: ThreadPoolExecutor, tokens: int
+) -> tuple[Future[list[int]], list[int]]:
+    """A completion of ``tokens`` tokens frozen mid-way in a server paused in keep mode: started, then the
+    server paused (``/pause?mode=keep``) once its first token arrived, and still unfinished once the chunks
+    made before the pause have arrived. A request the server finished before the pause took effect (a fast
+    decode, a client reading late) is let finish and another one tried."""
+    for _ in range(5):
+        started, got = threading.Event(), []
+        running = pool.submit(stream_greedy, engine, list(DEFAULT_PROMPTS[0]), tokens, started, got)
+        assert started.wait(120), "the streamed completion produced no token"
+        engine.request("/pause?mode=keep&clear_cache=false", {})
+        seen, still = -1, time.monotonic()
+        while time.monotonic() - still < 1.0 and not running.done():  # until no chunk came for 1 s
+            if len(got) != seen:
+                seen, still = len(got), time.monotonic()
+            time.sleep(0.05)
+        if not running.done() and len(got) < tokens:
+            return running, got
+        engine.request("/resume", {})
+        running.result(120)
+    raise AssertionError(f"five completions of {tokens} tokens all finished before the server paused")
+
+
 def test_a_sync_in_keep_mode_freezes_a_request_in_flight_which_then_completes(
     servers: list[Server], trainer: Trainer
 ) -> None:
-    """``receive(mode="keep")`` passes vLLM's keep mode to ``/pause``: a long completion in flight is frozen,
-    not aborted, and returns every token it asked for once the servers resume on the new version. The
-    completion is streamed and the sync starts once its first token arrived, so it is in flight however fast
-    the machine decodes (a fixed head start let it finish before the pause on a fast CI machine)."""
+    """``receive(mode="keep")`` passes vLLM's keep mode to ``/pause``: a completion frozen mid-way is not
+    aborted (abort mode would end it), and returns every token it asked for once the servers resume on the
+    new version. The request is frozen first (``frozen_request``: a sync started at a fixed head start, or at
+    its first streamed token, let it finish before the pause on fast CI machines)."""
     engines = [s.engine for s in servers]
-    paused_at: list[float] = []
+    pauses: list[str] = []
     request = engines[1].request
-    started = threading.Event()
 
-    def timed_request(path: str, body: Any = None, timeout: float | None = None) -> Any:
-        answer = request(path, body, timeout)
-        if path.startswith("/pause?mode=keep"):
-            paused_at.append(time.monotonic())  # from here the server's requests are frozen
-        return answer
+    def recorded_request(path: str, body: Any = None, timeout: float | None = None) -> Any:
+        if path.startswith("/pause"):
+            pauses.append(path)
+        return request(path, body, timeout)
 
-    with ThreadPoolExecutor(1) as pool, mock.patch.object(engines[1], "request", timed_request):
-        running = pool.submit(stream_greedy, engines[1], list(DEFAULT_PROMPTS[0]), 240, started)
-        assert started.wait(120), "the streamed completion produced no token"
-        running_at = time.monotonic()  # its first token has arrived: it is running on the server
-        pending, receives = step_and_receive(trainer, engines, mode="keep")
-        reports = [r.result(SYNC_TIMEOUT * 3) for r in receives]
+    with ThreadPoolExecutor(1) as pool:
+        running, got = frozen_request(engines[1], pool, 240)
+        frozen_at = len(got)
+        with mock.patch.object(engines[1], "request", recorded_request):
+            pending, receives = step_and_receive(trainer, engines, mode="keep")
+            reports = [r.result(SYNC_TIMEOUT * 3) for r in receives]
         version = pending.result(SYNC_TIMEOUT * 3)[0]["sync"]["version"]
         streamed = running.result(120)
+    assert [p.split("&")[0] for p in pauses] == ["/pause?mode=keep"], pauses
+    assert 0 < frozen_at < 240, frozen_at  # in flight across the sync
     assert len(streamed) == 240  # frozen, then finished: no token lost
-    # Running before the pause, finished after it: in flight across the sync. (The tokens' arrival times are
-    # not when they were made: the server may hold chunks back while it pauses, so only the last one counts.)
-    assert len(paused_at) == 1, paused_at
-    assert running_at < paused_at[0] < streamed[-1][1], "the request was not in flight across the sync"
     assert [[w["version"] for w in r] for r in reports] == [[version] * 2] * 2
     assert [e.weight_version() for e in engines] == [str(version)] * 2
 
