@@ -70,7 +70,14 @@ def ray_cluster(hosts: Hosts, tmp: Path, env: dict[str, str]) -> list[subprocess
         "while len([n for n in ray.nodes() if n['Alive']])<2 and time.time()<d: time.sleep(1)\n"
         "print(len([n for n in ray.nodes() if n['Alive']]))"
     )
-    alive = hosts.exec("a", [sys.executable, "-c", probe], timeout=200, env=env).strip().splitlines()[-1]
+    for _ in range(3):
+        alive = hosts.exec("a", [sys.executable, "-c", probe], timeout=200, env=env).strip().splitlines()[-1]
+        if alive == "2" or procs[1].poll() is None:
+            break
+        # the worker node gave up starting (Ray's own startup timeout, seen once in CI on a loaded machine)
+        procs[1] = hosts.run(
+            "b", worker_cmd, env=env, stdout=(tmp / "worker.log").open("ab"), stderr=subprocess.STDOUT
+        )
     assert alive == "2", (tmp / "head.log").read_text(errors="replace")[-2000:]
     return procs
 
