@@ -255,7 +255,7 @@ def run(args: argparse.Namespace, model: Path) -> list[dict[str, Any]]:
                 _log(f"row {json.dumps(row)}")
                 rows.append(row)
     finally:
-        engine.shutdown()
+        engine.shutdown(timeout=30)  # past vLLM's worker grace; see examples/async_grpo.py
         loop.close()
         shutil.rmtree(args.workdir / "check-inflight", ignore_errors=True)
     return rows

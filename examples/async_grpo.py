@@ -177,7 +177,10 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             )
         stop.set()
         await generating
-    engine.shutdown()
+    # Past vLLM's own worker grace (5 s, then 4 s after SIGTERM): with its default 5 s the parent force-kills
+    # the engine core while that core is still reaping its workers, and a worker gone in between raises
+    # psutil.NoSuchProcess out of shutdown (vLLM 0.32, seen in CI).
+    engine.shutdown(timeout=30)
     summary["ok"] = all(r["engine_weight_version"] == str(r["version"]) for r in summary["steps"])
     return summary
 

@@ -165,7 +165,7 @@ def inflight(tiny_model: Any, tmp_path_factory: pytest.TempPathFactory) -> Itera
     finally:
         pool.close(kill=True)
         with contextlib.suppress(Exception):
-            engine.shutdown()
+            engine.shutdown(timeout=30)  # past vLLM's worker grace; see examples/async_grpo.py
         loop.close()
 
 
