@@ -114,7 +114,7 @@ def trl_peft_sync(ctx: RankContext) -> dict[str, Any]:
 
 
 def save_adapter(ctx: RankContext, out: str) -> list[str]:
-    from testbed.checkpoints import save_adapter as save
+    from rollout_sync.trainer.reference import save_adapter as save
 
     return save(ctx.state["engine"], out)
 
@@ -201,7 +201,7 @@ def merged_kept_bytes(ctx: RankContext) -> int:
 
 
 def save_merged(ctx: RankContext, out: str, model_dir: str) -> None:
-    from testbed.checkpoints import save_merged as save
+    from rollout_sync.trainer.reference import save_merged as save
 
     save(ctx.state["engine"], model_dir, out)
 

@@ -57,7 +57,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from testbed.launched import build_checkpoint, colocated_cpu_env
+    from examples.cpu import colocated_cpu_env
+    from testbed.launched import build_checkpoint
 
     args = parse(argv)
     if args.worker:

@@ -7,7 +7,7 @@ One program on one machine, no download (a tiny Qwen3 made locally), as ``exampl
 asynchronous, the way PipelineRL, AReaL or prime-rl run: a generator task keeps the engine full of
 sampled groups (``--group`` completions per prompt) and queues each finished group; the trainer loop takes
 ``--prompts`` groups per step, takes a policy-gradient step on them (the trainer hook syncs after it), and
-the engine receives that sync in keep mode (``vllm_plugin.async_driver.receive_sync_async``): the requests
+the engine receives that sync in keep mode (``receive_sync_async``): the requests
 in flight are frozen, the weights land, and they go on with the new version from their next token.
 
 Per step it reports the staleness of the samples it trained on, from vLLM's per-token weight versions
@@ -31,12 +31,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(
-    0, str(Path(__file__).resolve().parents[1])
-)  # testbed/ (the tiny model, DeepSpeed on CPU ranks)
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # examples/grpo.py: the policy-gradient step
-
-from grpo import GOOD_TOKENS, engine_env, grpo_step
+from grpo import GOOD_TOKENS, attach, engine_env, grpo_step, setup  # the trainer ranks' commands
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -59,14 +54,12 @@ def staleness(version: int, outputs: list[Any]) -> list[int]:
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
+    from ranks import Ranks, free_port
     from vllm import AsyncEngineArgs, SamplingParams
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    from testbed.deepspeed import DeepSpeedSpec
-    from testbed.rank_pool import RankPool, free_port
-    from testbed.tiny_models import make_tiny_model
-    from testbed.trainer_ranks import attach, setup
-    from vllm_plugin.async_driver import connect_engine_async, receive_sync_async, setup_engines_async
+    from rollout_sync import connect_engine_async, receive_sync_async, setup_engines_async
+    from rollout_sync.tiny import make_tiny_model
 
     model = make_tiny_model("dense", Path(args.workdir) / "tiny-dense", seed=0)
     engine_env(2)
@@ -85,13 +78,12 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     )
     loop = asyncio.get_running_loop()
     token = secrets.token_hex(16)
-    spec = DeepSpeedSpec("dense", 3, lr=args.lr)
     summary: dict[str, Any] = {"steps": []}
-    with RankPool(2, env={"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}, timeout=900) as pool:
-        await loop.run_in_executor(None, pool.call, setup, spec, str(model))
+    with Ranks(2, env={"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}, timeout=900) as ranks:
+        await loop.run_in_executor(None, ranks.call, setup, str(model), {"zero": 3, "lr": args.lr})
         await setup_engines_async([engine], first_rank=2)
         address = f"tcp://127.0.0.1:{free_port()}"
-        joining = pool.submit(attach, address, token, 1, 1, "balanced", 120.0, None, True, False)
+        joining = ranks.submit(attach, address, token, False)
         await connect_engine_async(engine, address, 0, token=token, atomic=True)
         await loop.run_in_executor(None, joining.result, 240)
         await engine.update_weight_version("0")  # both start from the same checkpoint: version 0
@@ -144,7 +136,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 outputs += group
             behind = staleness(version, outputs)
             mixed = sum(len(o.weight_versions) > 1 for o in outputs) / len(outputs)
-            pending = pool.submit(grpo_step, batch)  # the hook syncs after the optimizer step
+            pending = ranks.submit(grpo_step, batch)  # the hook syncs after the optimizer step
 
             paused_at: list[float] = []
 

@@ -19,14 +19,16 @@ step then reports the share of the trainer's bf16 weights the step changed (coun
 storage, bit for bit) and the bytes the sync moved. A ``--verify`` check writes the weights through vLLM's
 loader, which makes the next sync a full one, so with ``--delta`` it runs once, after the last step.
 
-In a real job the trainer runs under the ``deepspeed`` launcher and attaches with three lines::
+In a real job the trainer runs under the ``deepspeed`` launcher (``examples/two_programs``) and attaches
+with three lines::
 
-    from rollout_sync.trainer.hook import TrainerSync
+    from rollout_sync import TrainerSync
     sync = TrainerSync.attach(engine, address="tcp://HOST:PORT", engines=1)  # token: ROLLOUT_SYNC_TOKEN
     # ... engine.backward(loss); engine.step()  -> syncs after each applied optimizer step
 
 and the vLLM side loads ``--worker-extension-cls vllm_plugin.extension.RolloutSyncExtension`` and calls
-``rollout_sync_setup`` / ``rollout_sync_connect`` once and ``rollout_sync_receive`` per step.
+``setup_engines`` / ``connect_engine`` once and ``receive_sync`` per step. Here the trainer ranks are child
+processes of this program (``examples/ranks.py``).
 """
 
 from __future__ import annotations
@@ -41,21 +43,43 @@ import time
 from pathlib import Path
 from typing import Any
 
-# testbed/ (tiny models, DeepSpeed engines on CPU ranks) comes with the checkout, not with the installed package.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 GOOD_TOKENS = range(4, 500)  # the reward: completion tokens with these ids (lower half of the vocabulary)
 
 
-# --------------------------------------------------------------------------------- trainer rank commands
-def grpo_step(ctx: Any, batch: list[tuple[list[int], list[int], float]]) -> dict[str, Any]:
+# ------------------------------------------------ trainer rank commands: fn(state, rank, world, *args)
+def setup(state: dict[str, Any], rank: int, world: int, model: str, options: dict[str, Any]) -> float:
+    """Join DeepSpeed's process group and build the engine (``options``: ``build_engine``'s); the seconds."""
+    import torch
+    from cpu import build_engine, init_distributed
+
+    started = time.perf_counter()
+    torch.set_num_threads(1)
+    init_distributed()
+    state["engine"] = build_engine(model, **options)
+    state["autotp"] = options.get("autotp", 1)
+    return time.perf_counter() - started
+
+
+def attach(state: dict[str, Any], rank: int, world: int, address: str, token: str, delta: bool) -> int:
+    """Attach rollout-sync (joins the handshake with the engine); this rank's rank in the sync group."""
+    from rollout_sync import TrainerSync
+
+    state["sync"] = TrainerSync.attach(state["engine"], address=address, engines=1, token=token, delta=delta)
+    return int(state["sync"].endpoint.rank)
+
+
+def grpo_step(
+    state: dict[str, Any], rank: int, world: int, batch: list[tuple[list[int], list[int], float]]
+) -> dict[str, Any]:
     """One policy-gradient step on this rank's share of the batch: loss = −mean(advantage × mean log-prob
-    of the completion tokens). The sync runs inside ``engine.step()`` (the trainer hook)."""
+    of the completion tokens). The sync runs inside ``engine.step()`` (the trainer hook). ``state``: the
+    rank's ``engine``, its ``sync`` (``TrainerSync``), ``autotp`` (AutoTP ranks take the whole batch) and
+    ``count_changes``; returns the loss, the sync's figures and, when counting, the stored elements the
+    step changed."""
     import torch
 
-    engine = ctx.state["engine"]
-    spec = ctx.state["spec"]
-    mine = batch if spec.autotp_size > 1 else batch[ctx.rank :: ctx.world_size]
+    engine = state["engine"]
+    mine = batch if state.get("autotp", 1) > 1 else batch[rank::world]
     width = max(len(p) + len(c) for p, c, _ in mine)
     ids = torch.zeros(len(mine), width, dtype=torch.long)
     mask = torch.zeros(len(mine), width, dtype=torch.bool)  # completion positions, as next-token targets
@@ -68,10 +92,10 @@ def grpo_step(ctx: Any, batch: list[tuple[list[int], list[int], float]]) -> dict
     target = mask[:, 1:]
     per_seq = (logp * target).sum(1) / target.sum(1).clamp(min=1)
     loss = -(advantages * per_seq).mean()
-    sync = ctx.state["sync"]
+    sync = state["sync"]
     before = len(sync.history)
     stored = [p.ds_tensor if hasattr(p, "ds_tensor") else p.data for p in engine.module.parameters()]
-    old = [t.clone() for t in stored] if ctx.state.get("count_changes") else []
+    old = [t.clone() for t in stored] if state.get("count_changes") else []
     engine.backward(loss)
     engine.step()
     out: dict[str, Any] = {"loss": float(loss.detach())}
@@ -89,9 +113,9 @@ def grpo_step(ctx: Any, batch: list[tuple[list[int], list[int], float]]) -> dict
     return out
 
 
-def count_changes(ctx: Any) -> None:
+def count_changes(state: dict[str, Any], rank: int, world: int) -> None:
     """From now on each ``grpo_step`` counts the stored weights its optimizer step changed."""
-    ctx.state["count_changes"] = True
+    state["count_changes"] = True
 
 
 def delta_figures(results: list[dict[str, Any]], zero: int, autotp: int, autoep: int) -> dict[str, Any]:
@@ -109,13 +133,9 @@ def delta_figures(results: list[dict[str, Any]], zero: int, autotp: int, autoep:
     }
 
 
-def save_weights(ctx: Any, out: str, model_dir: str) -> None:
+def save_weights(state: dict[str, Any], rank: int, world: int, out: str, model_dir: str) -> None:
     """The trainer's weights through DeepSpeed's own gathers, saved as a checkpoint (rank 0 writes)."""
-    from testbed.checkpoints import full_logical_tensors, save_checkpoint
-
-    full = full_logical_tensors(ctx.state["engine"])
-    if ctx.rank == 0:
-        save_checkpoint(full, model_dir, out)
+    state["sync"].save_reference(model_dir, out)
 
 
 # ------------------------------------------------------------------------------------------ the driver
@@ -154,8 +174,6 @@ def engine_env(tp: int) -> None:
         "VLLM_CPU_OMP_THREADS_BIND",
         "|".join(str(c) for c in sorted(os.sched_getaffinity(0))[:tp]) if tp > 1 else "auto",
     )
-    root = str(Path(__file__).resolve().parents[1])
-    os.environ["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [os.environ.get("PYTHONPATH")])])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -163,20 +181,12 @@ def main(argv: list[str] | None = None) -> int:
     os.environ["DS_ACCELERATOR"] = "cpu"
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     os.environ.setdefault("PYTHONWARNINGS", "ignore")
+    from ranks import Ranks, free_port
     from tqdm import tqdm
     from vllm import LLM, SamplingParams
 
-    from testbed.deepspeed import DeepSpeedSpec
-    from testbed.rank_pool import RankPool, free_port
-    from testbed.tiny_models import make_tiny_model
-    from testbed.trainer_ranks import attach, setup
-    from vllm_plugin.driver import (
-        apply_checkpoint,
-        connect_engine,
-        receive_sync,
-        setup_engines,
-        weight_digests,
-    )
+    from rollout_sync import connect_engine, receive_sync, setup_engines, verify_engine
+    from rollout_sync.tiny import make_tiny_model
 
     kind = "moe" if args.autoep > 1 else "dense"
     work = Path(args.workdir)
@@ -202,14 +212,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(f"[grpo] vLLM engine up in {time.perf_counter() - started:.0f} s", flush=True)
     token = secrets.token_hex(16)
-    spec = DeepSpeedSpec(kind, args.zero, autotp_size=args.autotp, autoep_size=args.autoep, lr=args.lr)
+    options = {"zero": args.zero, "lr": args.lr, "autotp": args.autotp, "autoep": args.autoep}
     summary: dict[str, Any] = {"steps": []}
-    with RankPool(
+    with Ranks(
         trainers,
         env={"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"},
         timeout=900,
-    ) as pool:
-        setup_s = max(pool.call(setup, spec, str(model)))
+    ) as ranks:
+        setup_s = max(ranks.call(setup, str(model), options))
         print(f"[grpo] DeepSpeed engines up in {setup_s:.0f} s", flush=True)
         started = time.perf_counter()
         reports: list[list[dict[str, Any]]] = []
@@ -227,13 +237,13 @@ def main(argv: list[str] | None = None) -> int:
             llm.collective_rpc("rollout_sync_record_loaded", args=(True,))
         address = f"tcp://127.0.0.1:{free_port()}"
         started = time.perf_counter()
-        pending = pool.submit(attach, address, token, 1, 1, "balanced", 120.0, None, True, args.delta)
+        pending = ranks.submit(attach, address, token, args.delta)
         connect_engine(llm, address, 0, token=token)
         pending.result(240)
         print(f"[grpo] handshake, plan and sync group in {time.perf_counter() - started:.2f} s", flush=True)
 
         if args.delta:
-            pool.call(count_changes)
+            ranks.call(count_changes)
         gen = __import__("random").Random(0)
         bar = tqdm(range(1, args.steps + 1), desc="grpo", unit="step", file=sys.stdout)
         for step in bar:
@@ -250,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
                 std = (sum((s - mean) ** 2 for s in scores) / len(scores)) ** 0.5
                 batch += [(prompt, c, (s - mean) / (std + 1e-4)) for c, s in zip(group, scores, strict=True)]
                 rewards += scores
-            pending = pool.submit(grpo_step, batch)
+            pending = ranks.submit(grpo_step, batch)
             workers = receive_sync([llm])[0]  # blocks while the trainer ranks send; sets weight_version
             results = pending.result(300)
             sync = results[0]["sync"]
@@ -272,11 +282,8 @@ def main(argv: list[str] | None = None) -> int:
                 row.update(delta_figures(results, args.zero, args.autotp, args.autoep))
             if args.verify and (not args.delta or step == args.steps):
                 ckpt = work / "verify" / f"step{step}"
-                pool.call(save_weights, str(ckpt), str(model))
-                before = weight_digests(llm)
-                apply_checkpoint([llm], str(ckpt))
-                after = weight_digests(llm)
-                changed = sum(b[n] != a[n] for b, a in zip(before, after, strict=True) for n in b)
+                ranks.call(save_weights, str(ckpt), str(model))
+                changed = len(verify_engine(llm, str(ckpt)))
                 row["verified"] = changed == 0
                 row["params_differing"] = changed
             summary["steps"].append(row)

@@ -30,11 +30,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # testbed/ (the tiny model, DeepSpeed on CPU ranks)
-sys.path.insert(0, str(ROOT / "examples"))  # examples/grpo.py: the policy-gradient step
-
-import ray  # noqa: E402
+import ray
 
 JOB = "ray-grpo"
 TIMEOUT = float(os.environ.get("RAY_GRPO_TIMEOUT", "120"))  # every wait of a handshake and a sync
@@ -46,7 +42,7 @@ class TrainerRank:
 
     def __init__(self, rank: int, world: int) -> None:
         self.rank, self.world = rank, world
-        self.ctx: Any = None
+        self.state: dict[str, Any] = {}
 
     def node(self) -> str:
         return str(ray.util.get_node_ip_address())
@@ -63,41 +59,31 @@ class TrainerRank:
             {"RANK": str(self.rank), "LOCAL_RANK": str(self.rank), "WORLD_SIZE": str(self.world)}
         )
         os.environ.update({"MASTER_ADDR": master, "MASTER_PORT": str(port), "DS_ACCELERATOR": "cpu"})
-        import torch
+        from grpo import setup  # examples/grpo.py's trainer rank commands (this folder is on Ray's path)
 
-        from testbed.deepspeed import DeepSpeedSpec, build_engine, init_distributed_from_env
-        from testbed.rank_pool import RankContext
-
-        torch.set_num_threads(1)
-        init_distributed_from_env()
-        spec = DeepSpeedSpec("dense", 3, lr=lr)
-        self.ctx = RankContext(self.rank, self.world, {"engine": build_engine(spec, model), "spec": spec})
+        setup(self.state, self.rank, self.world, model, {"zero": 3, "lr": lr})
         return self.node()
 
     def attach(self, engines: int, round_: int) -> int:
-        from rollout_sync.integrations.ray import attach_in_ray
+        from rollout_sync import attach_in_ray
 
-        old = self.ctx.state.pop("sync", None)
+        old = self.state.pop("sync", None)
         if old is not None:
             old.detach()
-        sync = attach_in_ray(
-            self.ctx.state["engine"], job=JOB, engines=engines, round_=round_, timeout=TIMEOUT
-        )
-        self.ctx.state["sync"] = sync
+        sync = attach_in_ray(self.state["engine"], job=JOB, engines=engines, round_=round_, timeout=TIMEOUT)
+        self.state["sync"] = sync
         return int(sync.endpoint.rank)
 
     def step(self, batch: list[tuple[list[int], list[int], float]]) -> dict[str, Any]:
         from grpo import grpo_step
 
         try:
-            return grpo_step(self.ctx, batch)
+            return grpo_step(self.state, self.rank, self.world, batch)
         except Exception as exc:  # the optimizer step applied; its sync failed (on every rank)
             return {"error": f"{type(exc).__name__}: {exc}"}
 
     def save(self, out: str, model: str) -> None:
-        from grpo import save_weights
-
-        save_weights(self.ctx, out, model)
+        self.state["sync"].save_reference(model, out)
 
 
 @ray.remote(num_cpus=0)
@@ -107,11 +93,11 @@ class Engine:
     def __init__(self, model: str, first_rank: int) -> None:
         from grpo import engine_env
 
-        engine_env(2)  # its workers' CPU threads, and this checkout on their path
+        engine_env(2)  # its workers' CPU threads
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # before vLLM's import reads it
         from vllm import LLM
 
-        from vllm_plugin.driver import setup_engines
+        from rollout_sync import setup_engines
 
         self.llm = LLM(
             model=model,
@@ -131,7 +117,7 @@ class Engine:
         return str(ray.util.get_node_ip_address())
 
     def connect(self, round_: int) -> list[dict[str, Any]]:
-        from rollout_sync.integrations.ray import connect_in_ray
+        from rollout_sync import connect_in_ray
 
         return connect_in_ray(self.llm, job=JOB, engine=0, round_=round_, timeout=TIMEOUT)
 
@@ -145,17 +131,14 @@ class Engine:
         return [[list(c.token_ids) for c in out.outputs] for out in outputs]
 
     def receive(self) -> list[dict[str, Any]]:
-        from vllm_plugin.driver import receive_sync
+        from rollout_sync import receive_sync
 
         return receive_sync([self.llm])[0]
 
     def changed_by(self, checkpoint: str) -> int:
-        from vllm_plugin.driver import apply_checkpoint, weight_digests
+        from rollout_sync import verify_engine
 
-        before = weight_digests(self.llm)
-        apply_checkpoint([self.llm], checkpoint)
-        after = weight_digests(self.llm)
-        return sum(b[n] != a[n] for b, a in zip(before, after, strict=True) for n in b)
+        return len(verify_engine(self.llm, checkpoint))
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -211,10 +194,10 @@ def start_engine(model: str, world: int, resource: str | None) -> tuple[Any, Any
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
-    from testbed.launched import build_checkpoint
+    from cpu import tiny_checkpoint
 
-    model = str(build_checkpoint("dense", Path(args.workdir) / "tiny-dense"))
-    env = {"PYTHONPATH": str(ROOT), "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    model = str(tiny_checkpoint("dense", Path(args.workdir) / "tiny-dense"))
+    env = {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     env["RAY_GRPO_TIMEOUT"] = str(TIMEOUT)
     if args.address:
         ray.init(address=args.address, namespace=JOB, runtime_env={"env_vars": env}, log_to_driver=False)
@@ -227,9 +210,8 @@ def main(argv: list[str] | None = None) -> int:
             runtime_env={"env_vars": env},
             log_to_driver=False,
         )
-    from rollout_sync.integrations.ray import release, rendezvous
+    from rollout_sync import release_in_ray
 
-    rendezvous(JOB)
     world = 2
     _, ranks = placed(TrainerRank, world, 1, args.trainer_resource)
     trainers = [a.remote(r, world) for r, a in enumerate(ranks)]
@@ -327,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
     summary["ok"] = bool(done) and all(
         r.get("verified", True) and r["engine_versions"] == [r["version"]] for r in done
     )
-    release(JOB)
+    release_in_ray(JOB)  # the job's rendezvous actor (detached; attach_in_ray made it)
     ray.shutdown()
     print(json.dumps(summary), flush=True)
     return 0 if summary["ok"] else 1

@@ -20,9 +20,6 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-# testbed/ (tiny models, DeepSpeed engines on CPU ranks) comes with the checkout, not with the installed package.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 VERIFIED: list[bool] = []
 
 
@@ -37,7 +34,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
-    from testbed.launched import build_checkpoint, colocated_cpu_env
+    from cpu import colocated_cpu_env, tiny_checkpoint  # this folder's CPU helpers
 
     colocated_cpu_env()  # before vLLM is imported
 
@@ -47,8 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
     from vllm import LLM, SamplingParams
 
-    from rollout_sync.integrations.trainer_callback import RolloutSyncCallback
-    from vllm_plugin.rollouts import ColocatedRollout
+    from rollout_sync import RolloutSyncCallback
 
     work = Path(args.workdir)
     model_dir = work / "model"
@@ -65,9 +61,9 @@ def main(argv: list[str] | None = None) -> int:
         save_strategy="no",
         seed=0,
     )
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     if rank == 0:
-        build_checkpoint("dense", model_dir)
+        tiny_checkpoint("dense", model_dir)
     dist.barrier()
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(4, 1000, (64, 16), generator=g).tolist()
@@ -83,12 +79,11 @@ def main(argv: list[str] | None = None) -> int:
         seed=rank,
         enforce_eager=True,
     )
-    callback = RolloutSyncCallback(trainer, ColocatedRollout(llm, rank=rank, world=world))
+    callback = RolloutSyncCallback(trainer, llm)  # this process's own engine (colocated)
     if args.verify:
-        from testbed.verify_sync import verify_last_sync
 
         def verify(sync: Any) -> None:
-            good, changed = verify_last_sync(sync, model_dir, work / "verify")
+            good, changed = sync.verify(str(model_dir), str(work / "verify"))
             VERIFIED.append(good)
             if rank == 0:
                 what = "bit for bit" if good else f"MISMATCH (changed: {changed[:5]})"

@@ -6,7 +6,7 @@ Colocate mode (each trainer process holds its own vLLM engine)::
 
 Server mode (a vLLM server with the rollout-sync worker extension; generation goes through TRL's client)::
 
-    python -m testbed dense /tmp/rollout-sync-trl/model
+    python -m rollout_sync.tiny dense /tmp/rollout-sync-trl/model
     VLLM_SERVER_DEV_MODE=1 python -m vllm_plugin.serve serve /tmp/rollout-sync-trl/model --port 8000 \\
         --worker-extension-cls vllm_plugin.extension.RolloutSyncExtension --max-model-len 128
     accelerate launch --config_file examples/trl/zero3.yaml examples/trl_grpo.py --mode server --verify
@@ -34,9 +34,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-# testbed/ (tiny models, DeepSpeed engines on CPU ranks) comes with the checkout, not with the installed package.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 GOOD_TOKENS = range(4, 500)  # the reward: completion tokens with these ids (the tiny vocabulary has 1000)
 VERIFIED: list[bool] = []  # with --verify: one entry per sync, True if vLLM held the trainer's weights
 
@@ -63,7 +60,7 @@ def reward(completion_ids: list[list[int]], **_: Any) -> list[float]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
-    from testbed.launched import build_checkpoint, colocated_cpu_env
+    from cpu import colocated_cpu_env, tiny_checkpoint  # this folder's CPU helpers
 
     colocated_cpu_env()  # before vLLM is imported
 
@@ -75,12 +72,12 @@ def main(argv: list[str] | None = None) -> int:
     state = PartialState(cpu=True)  # the 2-process gloo world (without cpu=True: process 0 of 1 on each)
     model = Path(args.workdir) / "model"
     if state.is_main_process:
-        build_checkpoint("dense", model)
+        tiny_checkpoint("dense", model)
     state.wait_for_everyone()
 
     sync = None
     if args.sync == "rollout-sync":
-        from rollout_sync.integrations.trl import use_rollout_sync  # rollout-sync
+        from rollout_sync import use_rollout_sync  # rollout-sync
 
         sync = use_rollout_sync()  # rollout-sync: TRL's weight sync becomes rollout-sync's
         if args.verify:
@@ -139,9 +136,7 @@ def verify(sync: Any, model_dir: Path, out: Path) -> None:
     """vLLM must hold the trainer's weights, as DeepSpeed itself gathers them, bit for bit."""
     import torch.distributed as dist
 
-    from testbed.verify_sync import verify_last_sync
-
-    good, changed = verify_last_sync(sync, model_dir, out)
+    good, changed = sync.verify(str(model_dir), str(out))
     VERIFIED.append(good)
     if dist.get_rank() == 0:
         version = sync.history[-1].version

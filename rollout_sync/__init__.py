@@ -16,8 +16,9 @@ Where a thing lives (one rule per folder):
 - ``integrations/``: TRL and transformers' ``Trainer``.
 - ``scale/``: the shape-only dry run behind ``rollout-sync plan``.
 - ``interop/``: conversion to DeepSpeed's affine IR.
+- ``tiny``: tiny Qwen3 checkpoints made locally, to try it without a download (``python -m rollout_sync.tiny``).
 The benchmarks live in the checkout's top-level ``benchmarks/`` (``python -m benchmarks``; ``bench/`` here
-only forwards its old name); neither they nor ``testbed/`` (what tests, examples and benchmarks share) are
+only forwards its old name); neither they nor ``testbed/`` (what tests and benchmarks share) are
 installed, and no product module imports them.
 
 DeepSpeed is imported only on the trainer side, and only when an engine is read: a vLLM host installs the
@@ -32,10 +33,12 @@ from typing import TYPE_CHECKING, Any
 from .errors import LayoutError, PeerFailedError, RolloutSyncError, SyncTimeoutError
 
 if TYPE_CHECKING:
-    from vllm_plugin.driver import connect_engine, receive_sync, setup_engines
+    from vllm_plugin.async_driver import connect_engine_async, receive_sync_async, setup_engines_async
+    from vllm_plugin.driver import connect_engine, receive_sync, setup_engines, verify_engine
     from vllm_plugin.http_driver import ServerEngine
 
-    from .integrations.ray import attach_in_ray, connect_in_ray
+    from .integrations.ray import attach_in_ray, connect_in_ray, release_in_ray
+    from .integrations.trainer_callback import RolloutSyncCallback
     from .integrations.trl import use_rollout_sync
     from .sync.options import SyncOptions
     from .trainer.hook import TrainerSync
@@ -50,14 +53,21 @@ _LAZY = {
     "setup_engines": "vllm_plugin.driver",
     "connect_engine": "vllm_plugin.driver",
     "receive_sync": "vllm_plugin.driver",
+    "setup_engines_async": "vllm_plugin.async_driver",
+    "connect_engine_async": "vllm_plugin.async_driver",
+    "receive_sync_async": "vllm_plugin.async_driver",
+    "verify_engine": "vllm_plugin.driver",
     "ServerEngine": "vllm_plugin.http_driver",
     "use_rollout_sync": "rollout_sync.integrations.trl",
+    "RolloutSyncCallback": "rollout_sync.integrations.trainer_callback",
     "attach_in_ray": "rollout_sync.integrations.ray",
     "connect_in_ray": "rollout_sync.integrations.ray",
+    "release_in_ray": "rollout_sync.integrations.ray",
 }
 __all__ = [
     "LayoutError",
     "PeerFailedError",
+    "RolloutSyncCallback",
     "RolloutSyncError",
     "ServerEngine",
     "SyncOptions",
@@ -65,10 +75,15 @@ __all__ = [
     "TrainerSync",
     "attach_in_ray",
     "connect_engine",
+    "connect_engine_async",
     "connect_in_ray",
     "receive_sync",
+    "receive_sync_async",
+    "release_in_ray",
     "setup_engines",
+    "setup_engines_async",
     "use_rollout_sync",
+    "verify_engine",
 ]
 
 

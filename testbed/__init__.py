@@ -1,5 +1,5 @@
 """Helpers for tests, examples and the README demo. Nothing in the sync path imports this package."""
 
-from testbed.tiny_models import TINY_KINDS, TinyKind, TinyModelSpec, make_tiny_model, tiny_spec
+from rollout_sync.tiny import TINY_KINDS, TinyKind, TinyModelSpec, make_tiny_model, tiny_spec
 
 __all__ = ["TINY_KINDS", "TinyKind", "TinyModelSpec", "make_tiny_model", "tiny_spec"]

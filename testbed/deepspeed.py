@@ -24,7 +24,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from .tiny_models import TinyKind
+from rollout_sync.tiny import TinyKind
 
 __all__ = [
     "DeepSpeedSpec",

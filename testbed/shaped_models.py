@@ -17,7 +17,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from .tiny_models import TinyModelSpec, _hf_config, _save_tokenizer
+from rollout_sync.tiny import TinyModelSpec, _hf_config, _save_tokenizer
 
 __all__ = ["SHAPED_KINDS", "make_shaped_model", "shaped_spec"]
 

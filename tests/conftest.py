@@ -6,7 +6,7 @@ but ``gpu`` (``addopts = -m 'not gpu'``); a ``gpu`` test selected explicitly is 
 absent. ``vllm`` / ``deepspeed`` tests are skipped, with the reason, when that package is not installed.
 
 Fixtures:
-- ``tiny_model(kind="dense", seed=0) -> Path``: a tiny checkpoint (``testbed.tiny_models``),
+- ``tiny_model(kind="dense", seed=0) -> Path``: a tiny checkpoint (``rollout_sync.tiny``),
   built once per session (or once per machine with ``ROLLOUT_SYNC_TEST_CACHE=<dir>``).
 - ``vllm_pool``: the session's ``VllmEnginePool``; ``vllm_pool.get(shared_spec(path, tp))`` returns a
   shared running engine, ``vllm_pool.restore(engine)`` puts its start weights back after a test changed

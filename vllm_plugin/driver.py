@@ -26,6 +26,7 @@ __all__ = [
     "engine_status",
     "receive_sync",
     "setup_engines",
+    "verify_engine",
     "weight_digests",
 ]
 
@@ -134,6 +135,18 @@ def apply_checkpoint(
         if callable(reset):
             reset()
     return reports
+
+
+def verify_engine(engine: Any, checkpoint: str) -> list[str]:
+    """Check a sync: write ``checkpoint`` (the trainer's weights as DeepSpeed itself gathers them,
+    ``TrainerSync.save_reference``) into ``engine`` through vLLM's own loader maps, and name the parameters
+    (of any worker; ``"<name> (loaded form)"`` for a layer vLLM keeps in another form, once
+    ``rollout_sync_record_loaded`` is on) whose bytes that changed. Empty: the engine held exactly the
+    trainer's weights, bit for bit. No generation may run meanwhile. Slow next to a sync."""
+    before = weight_digests(engine)
+    apply_checkpoint([engine], checkpoint)
+    after = weight_digests(engine)
+    return sorted({n for b, a in zip(before, after, strict=True) for n in b if a.get(n) != b[n]})
 
 
 def receive_sync(engines: Sequence[Any]) -> list[list[dict[str, Any]]]:

@@ -104,12 +104,9 @@ class ServedRollout:
     def changed_by(self, checkpoint: str) -> list[str]:
         if self.server is None:
             return []
-        from vllm_plugin.driver import apply_checkpoint, weight_digests
+        from vllm_plugin.driver import verify_engine
 
-        before = weight_digests(self.server)
-        apply_checkpoint([self.server], checkpoint)
-        after = weight_digests(self.server)
-        return sorted({n for b, a in zip(before, after, strict=True) for n in b if a.get(n) != b[n]})
+        return verify_engine(self.server, checkpoint)
 
 
 def _in_process_worker(llm: Any) -> Any:

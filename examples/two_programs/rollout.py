@@ -48,7 +48,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
 
 def engine_env(tp: int) -> None:
-    """vLLM on CPU: one core set per TP rank; the worker extension importable in the spawned workers."""
+    """vLLM on CPU: one core set per TP rank (vLLM's ``VLLM_CPU_OMP_THREADS_BIND``)."""
     cores = sorted(os.sched_getaffinity(0))
     if tp > 1:
         per = max(len(cores) // tp, 1)
@@ -56,10 +56,6 @@ def engine_env(tp: int) -> None:
             "VLLM_CPU_OMP_THREADS_BIND",
             "|".join(",".join(str(c) for c in cores[i * per : (i + 1) * per]) for i in range(tp)),
         )
-    root = str(Path(__file__).resolve().parents[2])
-    os.environ["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [os.environ.get("PYTHONPATH")])])
-    if root not in sys.path:
-        sys.path.insert(0, root)
 
 
 def wait_for(path: Path, timeout: float) -> None:
@@ -71,14 +67,12 @@ def wait_for(path: Path, timeout: float) -> None:
 
 
 def verify(llm: Any, verify_dir: Path, version: int, timeout: float) -> int:
-    """Write the trainer's checkpoint of ``version`` into vLLM; return how many parameters changed."""
-    from vllm_plugin.driver import apply_checkpoint
+    """Write the trainer's checkpoint of ``version`` into vLLM through vLLM's own loader maps; return how
+    many parameters that changed (0: vLLM held exactly the trainer's weights)."""
+    from rollout_sync import verify_engine
 
     wait_for(verify_dir / f"v{version}.done", timeout)
-    before = llm.collective_rpc("rollout_sync_param_digests")
-    apply_checkpoint([llm], str(verify_dir / f"v{version}"))
-    after = llm.collective_rpc("rollout_sync_param_digests")
-    return sum(b[n] != a[n] for b, a in zip(before, after, strict=True) for n in b)
+    return len(verify_engine(llm, str(verify_dir / f"v{version}")))
 
 
 def weights_digest(llm: Any) -> str:
@@ -89,11 +83,10 @@ def weights_digest(llm: Any) -> str:
     return hashlib.sha256(json.dumps(per_worker, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def connect(llm: Any, args: argparse.Namespace, token: str) -> None:
+def connect(llm: Any, args: argparse.Namespace, token: str | None) -> None:
     """Join a handshake with the trainer program, waiting for it up to ``--join-deadline`` (a handshake that
     times out is joined again: the trainer may still be starting, or failing a sync, or a link down)."""
-    from rollout_sync.errors import PeerFailedError
-    from vllm_plugin.driver import connect_engine
+    from rollout_sync import PeerFailedError, connect_engine
 
     deadline = time.monotonic() + args.join_deadline
     while True:
@@ -114,11 +107,9 @@ def main(argv: list[str] | None = None) -> int:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from rollout_sync.errors import RolloutSyncError
-    from rollout_sync.sync.endpoint import resolve_token
-    from vllm_plugin.driver import receive_sync, setup_engines
+    from rollout_sync import RolloutSyncError, receive_sync, setup_engines
 
-    token = resolve_token(None)  # ROLLOUT_SYNC_TOKEN
+    token = os.environ.get("ROLLOUT_SYNC_TOKEN")  # None: each worker reads it (and names it when missing)
     started = time.perf_counter()
     llm = LLM(
         model=args.model,

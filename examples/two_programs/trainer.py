@@ -27,13 +27,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-# testbed/ (tiny models, DeepSpeed engines on CPU ranks) comes with the checkout, not with the installed package.
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", required=True, help="checkpoint directory (python -m testbed)")
+    ap.add_argument("--model", required=True, help="checkpoint directory (python -m rollout_sync.tiny)")
     ap.add_argument("--address", required=True, help="the coordinator's address, tcp://HOST:PORT")
     ap.add_argument("--engines", type=int, default=1, help="how many vLLM engines take part")
     ap.add_argument("--steps", type=int, default=2)
@@ -60,21 +57,61 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
-def write_verification(engine: Any, rank: int, model: str, out: Path, version: int) -> None:
-    """The weights as DeepSpeed gathers them (collective), saved by rank 0, then the done marker."""
-    from testbed.checkpoints import full_logical_tensors, save_checkpoint
+def init_distributed() -> None:
+    """DeepSpeed's process group over gloo, from the launcher's ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and
+    ``MASTER_PORT``. On CPU, DeepSpeed's comm backend JIT-compiles a shared-memory op when it starts (about a
+    minute, the first time on a machine) that serves only inference all-reduce; training goes through gloo
+    either way, so the build is skipped, as DeepSpeed itself does where the op is not compatible."""
+    import importlib
 
-    full = full_logical_tensors(engine)
+    import deepspeed
+
+    setattr(importlib.import_module("deepspeed.comm.torch"), "build_shm_op", lambda: None)  # noqa: B010
+    deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False, verbose=False)
+
+
+def build_engine(model: str, zero: int, lr: float) -> Any:
+    """The checkpoint in bf16 under DeepSpeed at ZeRO stage ``zero``. On CPU the optimizer is torch's AdamW
+    (``torch_adam``): DeepSpeed's own AdamW would JIT-compile FusedAdam first."""
+    import deepspeed
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    module = AutoModelForCausalLM.from_pretrained(model, dtype=torch.bfloat16)
+    config = {
+        "train_micro_batch_size_per_gpu": 1,
+        "steps_per_print": 2**31 - 1,
+        "bf16": {"enabled": True},
+        "zero_optimization": {"stage": zero},
+        "optimizer": {"type": "AdamW", "params": {"lr": lr, "torch_adam": True}},
+    }
+    engine, *_ = deepspeed.initialize(model=module, config=config, model_parameters=module.parameters())
+    return engine
+
+
+def train_step(engine: Any, seed: int) -> float:
+    """One language-model step on random tokens (the same on every rank); ``engine.step()`` syncs."""
+    import torch
+
+    vocab = engine.module.config.vocab_size
+    tokens = torch.randint(4, vocab, (1, 16), generator=torch.Generator().manual_seed(seed))
+    loss = engine(input_ids=tokens, labels=tokens).loss
+    engine.backward(loss)
+    engine.step()
+    return float(loss.detach().float().item())
+
+
+def write_verification(sync: Any, rank: int, model: str, out: Path, version: int) -> None:
+    """The weights as DeepSpeed gathers them (collective), saved by rank 0, then the done marker."""
+    sync.save_reference(model, str(out / f"v{version}"))
     if rank == 0:
-        save_checkpoint(full, model, out / f"v{version}")
-        (out / f"v{version}.done").write_text(json.dumps(sorted(full)))
+        (out / f"v{version}.done").write_text(str(version))
 
 
 def attach(engine: Any, args: argparse.Namespace) -> Any:
     """Join a handshake with the rollout program, waiting for it up to ``--join-deadline`` (a handshake
     that times out is joined again: the other program may still be starting, or a link still down)."""
-    from rollout_sync.errors import SyncTimeoutError
-    from rollout_sync.trainer.hook import TrainerSync
+    from rollout_sync import SyncTimeoutError, TrainerSync
 
     deadline = time.monotonic() + args.join_deadline
     while True:
@@ -102,18 +139,12 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     import torch.distributed as dist
 
-    from rollout_sync.errors import RolloutSyncError
-    from testbed.deepspeed import (
-        DeepSpeedSpec,
-        build_engine,
-        init_distributed_from_env,
-        train_step,
-    )
+    from rollout_sync import RolloutSyncError
 
     torch.set_num_threads(1)
-    init_distributed_from_env()
+    init_distributed()
     rank = dist.get_rank()
-    engine = build_engine(DeepSpeedSpec("dense", args.zero, lr=args.lr), args.model)
+    engine = build_engine(args.model, args.zero, args.lr)
     started = time.perf_counter()
     sync = attach(engine, args)
     joined_s = time.perf_counter() - started
@@ -143,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
         if last is None or len(sync.history) != synced + 1:
             raise RuntimeError(f"step {step} did not sync (history {len(sync.history)})")
         if out is not None:
-            write_verification(engine, rank, args.model, out, last.version)
+            write_verification(sync, rank, args.model, out, last.version)
         # group-free (nixl): the workers this sync dropped, whole engines, each named with why
         dropped = list(last.dropped)
         steps.append({"step": step, "loss": loss, "version": last.version, "sync_s": last.seconds, "dropped": dropped})  # fmt: skip

@@ -32,7 +32,14 @@ from ..sync.options import SyncOptions
 
 HEAD_NODE_RESOURCE_NAME = "node:__internal_head__"  # the resource Ray gives its head node alone
 
-__all__ = ["RolloutSyncRendezvous", "attach_in_ray", "connect_in_ray", "meeting", "release", "rendezvous"]
+__all__ = [
+    "RolloutSyncRendezvous",
+    "attach_in_ray",
+    "connect_in_ray",
+    "meeting",
+    "release_in_ray",
+    "rendezvous",
+]
 
 
 @ray.remote(num_cpus=0)
@@ -55,7 +62,7 @@ class RolloutSyncRendezvous:
 
 def rendezvous(job: str) -> Any:
     """The job's rendezvous actor, made by whoever asks first; detached, so that it outlives that actor
-    (``release`` ends it), and on the head node (as Ray Train places its state actor), so that a lost worker
+    (``release_in_ray`` ends it), and on the head node (as Ray Train places its state actor), so that a lost worker
     node does not take the job's later handshakes with it."""
     return RolloutSyncRendezvous.options(  # type: ignore[attr-defined]
         name=f"rollout-sync:{job}",
@@ -130,7 +137,7 @@ def connect_in_ray(
     return connect_engine(llm, address, engine, token=token, timeout=timeout, **options)
 
 
-def release(job: str) -> None:
+def release_in_ray(job: str) -> None:
     """End the job's rendezvous (it is detached: it outlives the actor that made it)."""
     try:
         actor = ray.get_actor(f"rollout-sync:{job}")

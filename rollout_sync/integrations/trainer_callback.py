@@ -1,7 +1,11 @@
 """rollout-sync as a ``transformers.TrainerCallback``, for Trainer-based loops other than TRL's::
 
-    rollout = ColocatedRollout(llm, rank=dist.get_rank(), world=dist.get_world_size())  # or ServedRollout
-    trainer.add_callback(RolloutSyncCallback(trainer, rollout))
+    trainer.add_callback(RolloutSyncCallback(trainer, llm))  # this process's own vllm.LLM (colocated)
+    trainer.add_callback(RolloutSyncCallback(trainer, "http://HOST:8000"))  # or a `vllm serve` server
+
+The rollout side is this process's ``vllm.LLM`` (``external_launcher``, as TRL's colocate mode builds it:
+``ColocatedRollout``), a server's URL (driven by process 0: ``ServedRollout``), or a ``RolloutSide`` built
+by hand.
 
 When training begins (accelerate has built the DeepSpeed engine by then) every process attaches and syncs
 once, so the engines start from exactly the trainer's weights; then it syncs after every optimizer step
@@ -18,7 +22,7 @@ from typing import Any
 
 from transformers import TrainerCallback
 
-from vllm_plugin.rollouts import RolloutSide
+from vllm_plugin.rollouts import ColocatedRollout, RolloutSide, ServedRollout
 
 from .weight_sync import WeightSync, check_trainer, deepspeed_engine
 
@@ -26,9 +30,9 @@ __all__ = ["RolloutSyncCallback"]
 
 
 class RolloutSyncCallback(TrainerCallback):  # type: ignore[misc]
-    def __init__(self, trainer: Any, rollout: RolloutSide, **options: Any) -> None:
+    def __init__(self, trainer: Any, rollout: RolloutSide | str | Any, **options: Any) -> None:
         self.trainer = trainer
-        self.sync = WeightSync(rollout, **options)
+        self.sync = WeightSync(_rollout_side(rollout, options.get("timeout")), **options)
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         accelerator = self.trainer.accelerator
@@ -40,3 +44,25 @@ class RolloutSyncCallback(TrainerCallback):  # type: ignore[misc]
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self.sync.sync(int(state.global_step))
+
+
+def _rollout_side(rollout: RolloutSide | str | Any, timeout: float | None) -> RolloutSide:
+    """A server URL or this process's ``vllm.LLM`` as a ``RolloutSide``; a ``RolloutSide`` as it is."""
+    import torch.distributed as dist
+
+    if isinstance(rollout, (ColocatedRollout, ServedRollout)) or not (
+        isinstance(rollout, str) or hasattr(rollout, "llm_engine")
+    ):
+        return rollout  # type: ignore[no-any-return]
+    if not dist.is_initialized():
+        raise RuntimeError(
+            "RolloutSyncCallback(trainer, llm or url): build it after the Trainer (its process group)"
+        )
+    if isinstance(rollout, str):
+        driver = dist.get_rank() == 0
+        return (
+            ServedRollout(rollout, driver=driver)
+            if timeout is None
+            else ServedRollout(rollout, driver=driver, timeout=timeout)
+        )
+    return ColocatedRollout(rollout, rank=dist.get_rank(), world=dist.get_world_size())

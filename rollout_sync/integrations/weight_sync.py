@@ -21,6 +21,7 @@ import socket
 import statistics
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 from vllm_plugin.rollouts import RolloutSide
@@ -198,6 +199,24 @@ class WeightSync:
             raise
         if background is not None:
             background.join(self.timeout + 30.0)
+
+    def verify(self, model_dir: str, out: str) -> tuple[bool, list[str]]:
+        """After a sync: does vLLM hold exactly the trainer's weights? Every training process gathers them
+        with DeepSpeed itself (``TrainerSync.save_reference``, into ``out/v{version}``), and each has its
+        engines write that checkpoint through vLLM's own loader maps: after an exact sync not one bit of any
+        parameter changes. Collective over the training processes. Returns whether every process found its
+        engines unchanged, and this process's changed parameter names. Slow next to a sync: for tests and
+        first runs, not every step of a real job."""
+        import torch.distributed as dist
+
+        if self.trainer is None or self.rollout is None or not self.history:
+            raise RuntimeError("verify() checks the last sync: attach(engine) and sync first")
+        path = str(Path(out) / f"v{self.history[-1].version}")
+        self.trainer.save_reference(model_dir, path)
+        changed = self.rollout.changed_by(path)
+        every: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(every, not changed)
+        return all(every), changed
 
     def in_process_bytes(self, result: SyncResult) -> int:
         """Bytes ranks in this process copied straight from this rank's storages (handoffs, no message)."""

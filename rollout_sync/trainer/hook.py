@@ -247,6 +247,24 @@ class TrainerSync:
         self.history.append(result)
         return result
 
+    def save_reference(self, model_dir: str, out: str) -> str | None:
+        """Write the trainer's current weights as a checkpoint at ``out``, gathered by DeepSpeed's own
+        collectives (not through rollout-sync's maps), with ``model_dir``'s config and tokenizer files; a
+        PEFT model is merged by PEFT itself first. Written into vLLM (``rollout_sync_apply_checkpoint``), it
+        changes no bit of any parameter after an exact sync: the check of a sync. Collective: every rank
+        calls it; rank 0 writes and gets the path, the others None. Slow next to a sync (whole tensors)."""
+        import torch.distributed as dist
+
+        from .reference import full_logical_tensors, save_checkpoint, save_merged
+
+        if getattr(self.engine.module, "peft_config", None):
+            path = save_merged(self.engine, model_dir, out)
+        else:
+            full = full_logical_tensors(self.engine)
+            path = save_checkpoint(full, model_dir, out) if dist.get_rank() == 0 else None
+        dist.barrier()
+        return None if path is None else str(path)
+
     @property
     def plan(self) -> Any:
         """The whole plan (trainer rank 0 only; None elsewhere)."""

@@ -5,9 +5,9 @@ The references are taken independently of the maps:
 - before any step, the checkpoint the engine was loaded from (``safetensors``, saved names);
 - after a step, DeepSpeed's own gathers: ``GatheredParameters`` for ZeRO-3 partitions,
   ``safe_get_full_fp32_param`` / ``safe_get_full_optimizer_state`` for master weights and Adam states, then
-  the TP shards and the EP ranks' packed experts put together by ``testbed.checkpoints.assembled`` (the
+  the TP shards and the EP ranks' packed experts put together by ``rollout_sync.trainer.reference.assembled`` (the
   same gathers the example and the end-to-end tests check syncs with), named as checkpoint keys by
-  ``testbed.checkpoints.logical_tensors`` (that is, by ``rollout_sync.trainer.naming``).
+  ``rollout_sync.trainer.reference.logical_tensors`` (that is, by ``rollout_sync.trainer.naming``).
   Those names are no oracle of the maps' names: the saved checkpoint is, before any step (every map
   name and every piece is compared with the ``safetensors`` file, AutoEP engines included).
 
@@ -25,7 +25,7 @@ import torch
 import torch.distributed as tdist
 
 from rollout_sync.layout.maps import TensorMap
-from testbed.checkpoints import assembled, local_param, logical_tensors
+from rollout_sync.trainer.reference import assembled, local_param, logical_tensors
 
 INT_VIEW = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
 

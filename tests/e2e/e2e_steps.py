@@ -22,8 +22,8 @@ TRAINER_ENV = {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
 def save_checkpoint(ctx: RankContext, out: str, model_dir: str) -> list[str]:
     """What ``save_pretrained`` writes, from DeepSpeed's own gathers (no rollout-sync map involved): every
     logical tensor under its checkpoint name, plus the model's config and tokenizer files. Collective."""
-    from testbed.checkpoints import full_logical_tensors
-    from testbed.checkpoints import save_checkpoint as write
+    from rollout_sync.trainer.reference import full_logical_tensors
+    from rollout_sync.trainer.reference import save_checkpoint as write
 
     full = full_logical_tensors(ctx.state["engine"])
     if ctx.rank == 0:

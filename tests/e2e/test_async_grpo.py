@@ -7,12 +7,13 @@ earlier version produced."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests.harness.examples import example_env
 
 pytestmark = [pytest.mark.vllm, pytest.mark.deepspeed]
 
@@ -20,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_async_grpo_syncs_every_step_into_running_generation_and_reports_staleness(tmp_path: Path):
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "DS_ACCELERATOR": "cpu"}
+    env = example_env()  # run as a user runs it: from its install, outside the checkout
     cmd = [
         sys.executable,
         str(ROOT / "examples" / "async_grpo.py"),
@@ -29,7 +30,7 @@ def test_async_grpo_syncs_every_step_into_running_generation_and_reports_stalene
         "--workdir",
         str(tmp_path),
     ]
-    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     summary = json.loads([line for line in done.stdout.splitlines() if line.startswith("{")][-1])
     steps = summary["steps"]

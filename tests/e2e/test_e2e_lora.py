@@ -30,7 +30,7 @@ SYNCED_ID = 1
 
 
 def _save_adapter(ctx: RankContext, out: str) -> list[str]:
-    from testbed.checkpoints import save_adapter
+    from rollout_sync.trainer.reference import save_adapter
 
     return save_adapter(ctx.state["engine"], out)
 
@@ -166,7 +166,7 @@ def test_a_failed_adapter_sync_leaves_the_previous_adapter_serving(
 
 
 def _save_merged(ctx: RankContext, out: str, model_dir: str) -> None:
-    from testbed.checkpoints import save_merged
+    from rollout_sync.trainer.reference import save_merged
 
     save_merged(ctx.state["engine"], model_dir, out)
 

@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 
 from testbed.rank_pool import free_port
+from tests.harness.examples import example_env
 
 pytestmark = [pytest.mark.vllm, pytest.mark.deepspeed]
 
@@ -31,9 +32,11 @@ PROGRAM_TIMEOUT_S = "420"  # every wait inside either program (handshake, sync)
 
 
 def _start(cmd: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen[bytes]:
+    """Start an example as a user would: from outside the checkout (``log``'s folder), the package from its
+    install."""
     with log.open("wb") as out:
         return subprocess.Popen(
-            cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+            cmd, cwd=log.parent, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
         )
 
 
@@ -55,13 +58,7 @@ def _last_json(log: Path) -> dict[str, Any]:
 def test_a_trainer_program_and_a_rollout_program_sync_twice_bit_for_bit(tiny_model: Any, tmp_path: Path):
     model = str(tiny_model("dense"))
     address = f"tcp://127.0.0.1:{free_port()}"
-    env = {
-        **os.environ,
-        "ROLLOUT_SYNC_TOKEN": "two-programs-test",
-        "DS_ACCELERATOR": "cpu",
-        "OMP_NUM_THREADS": "1",
-        "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]),
-    }
+    env = example_env(ROLLOUT_SYNC_TOKEN="two-programs-test", OMP_NUM_THREADS="1")
     verify = tmp_path / "verify"
     common = ["--model", model, "--address", address, "--steps", "2", "--verify-dir", str(verify)]
     trainer_cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2"]

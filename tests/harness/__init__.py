@@ -1,6 +1,6 @@
 """Test harness: tiny models, a rank runner, real DeepSpeed and vLLM engines on CPU.
 
-Tiny checkpoints (``tiny_models``, built by ``testbed.tiny_models``)::
+Tiny checkpoints (``tiny_models``, built by ``rollout_sync.tiny``)::
 
     def test_x(tiny_model):                      # session fixture from tests/conftest.py
         path = tiny_model("moe", seed=1)         # "dense" | "dense-tied" | "moe"; built once per session

@@ -1,22 +1,16 @@
-"""Training jobs under ``accelerate launch`` (DeepSpeed on 2 CPU processes), as the README runs them."""
+"""Training jobs under ``accelerate launch`` (DeepSpeed on 2 CPU processes), as the README runs them, from
+outside the checkout (``tests.harness.examples``): each job's working directory is its ``WORKDIR``."""
 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
+from tests.harness.examples import example_env
 from tests.harness.vllm_engines import REPO_ROOT
-
-
-def job_env() -> dict[str, str]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
-    env["DS_ACCELERATOR"] = "cpu"
-    return env
 
 
 def job_command(script: str, zero: int, workdir: Path, *args: str) -> list[str]:
@@ -26,8 +20,8 @@ def job_command(script: str, zero: int, workdir: Path, *args: str) -> list[str]:
         "-m",
         "accelerate.commands.launch",
         "--config_file",
-        f"examples/trl/zero{zero}.yaml",
-        script,
+        str(REPO_ROOT / "examples" / "trl" / f"zero{zero}.yaml"),
+        str(REPO_ROOT / script),
         "--workdir",
         str(workdir),
         *args,
@@ -35,9 +29,12 @@ def job_command(script: str, zero: int, workdir: Path, *args: str) -> list[str]:
 
 
 def launch_job(script: str, zero: int, workdir: Path, *args: str, timeout: float = 600.0):
-    """``job_command``, run from the repository root; the output is kept in ``WORKDIR/run.log``."""
+    """``job_command``, run in ``WORKDIR``; the output is kept in ``WORKDIR/run.log``."""
     cmd = job_command(script, zero, workdir, *args)
-    proc = subprocess.run(cmd, cwd=REPO_ROOT, env=job_env(), capture_output=True, text=True, timeout=timeout)
+    workdir.mkdir(parents=True, exist_ok=True)
+    proc = subprocess.run(
+        cmd, cwd=workdir, env=example_env(), capture_output=True, text=True, timeout=timeout
+    )
     (workdir / "run.log").write_text(proc.stdout + proc.stderr)
     return proc
 

@@ -1,7 +1,7 @@
-"""Tiny checkpoints for tests: re-exported from the library (``testbed.tiny_models``), where the
+"""Tiny checkpoints for tests: re-exported from the product (``rollout_sync.tiny``), where the
 README demo and the examples also find them. The pytest fixtures that cache them per run are in
 ``tests/conftest.py``."""
 
-from testbed.tiny_models import TINY_KINDS, TinyKind, TinyModelSpec, make_tiny_model, tiny_spec
+from rollout_sync.tiny import TINY_KINDS, TinyKind, TinyModelSpec, make_tiny_model, tiny_spec
 
 __all__ = ["TINY_KINDS", "TinyKind", "TinyModelSpec", "make_tiny_model", "tiny_spec"]

@@ -8,7 +8,6 @@ trainer's host) straight from the trainer's storages."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
@@ -19,6 +18,7 @@ from typing import Any
 import pytest
 
 from testbed.hosts import Hosts
+from tests.harness.examples import example_env
 
 pytestmark = [
     pytest.mark.vllm,
@@ -39,7 +39,7 @@ def _last_json(log: Path) -> dict[str, Any]:
     raise AssertionError(f"no JSON summary in {log}:\n{log.read_text(errors='replace')[-3000:]}")
 
 
-ENV = {"ROLLOUT_SYNC_TOKEN": "across-hosts-test", "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}  # fmt: skip
+ENV = {"ROLLOUT_SYNC_TOKEN": "across-hosts-test", "OMP_NUM_THREADS": "1"}
 
 
 def common_args(hosts: Hosts, model: Path, tmp: Path, steps: int, timeout: str) -> list[str]:
@@ -77,17 +77,17 @@ def start_programs(
 ) -> tuple[dict[str, subprocess.Popen[bytes]], dict[str, Path]]:
     """The trainer program (2 ranks) on host a and rollout program k (engine k, vLLM TP 2) on host
     ``engines[k]``, every one verifying each sync into ``tmp/verify``; the processes and their logs."""
-    env = {**os.environ, **ENV}
+    env = example_env(**ENV)  # the examples run as a user runs them: from their install
     common = common_args(hosts, model, tmp, steps, timeout)
     logs = {
         "trainer": tmp / "trainer.log",
         **{f"engine{k}": tmp / f"engine{k}.log" for k in range(len(engines))},
     }
     trainer_cmd = trainer_command(common, zero=zero, engines=len(engines), backend=backend)
-    procs = {"trainer": hosts.run("a", trainer_cmd, env=env, stdout=logs["trainer"].open("wb"), stderr=subprocess.STDOUT, next_pid=next_pid)}  # fmt: skip
+    procs = {"trainer": hosts.run("a", trainer_cmd, env=env, stdout=logs["trainer"].open("wb"), stderr=subprocess.STDOUT, next_pid=next_pid, cwd=tmp)}  # fmt: skip
     for k, host in enumerate(engines):
         cmd = rollout_command(common, k, extra=rollout_extra)
-        procs[f"engine{k}"] = hosts.run(host, cmd, env=env, stdout=logs[f"engine{k}"].open("wb"), stderr=subprocess.STDOUT, next_pid=next_pid)  # fmt: skip
+        procs[f"engine{k}"] = hosts.run(host, cmd, env=env, stdout=logs[f"engine{k}"].open("wb"), stderr=subprocess.STDOUT, next_pid=next_pid, cwd=tmp)  # fmt: skip
     return procs, logs
 
 
@@ -273,13 +273,13 @@ def test_group_free_engines_join_during_training_a_killed_one_is_dropped_by_name
     gate = tmp_path / "gate"
     gate.mkdir()
     trainer_timeout = 30.0
-    env = {**os.environ, **ENV}
+    env = example_env(**ENV)  # the examples run as a user runs them: from their install
     logs = {n: tmp_path / f"{n}.log" for n in ("trainer", "engine0", "engine1", "engine1-again")}
     procs: dict[str, subprocess.Popen[bytes]] = {}
     with Hosts(["a", "b", "c"]) as hosts:
 
         def launch(name: str, host: str, cmd: list[str]) -> None:
-            procs[name] = hosts.run(host, cmd, env=env, stdout=logs[name].open("wb"), stderr=subprocess.STDOUT)  # fmt: skip
+            procs[name] = hosts.run(host, cmd, env=env, stdout=logs[name].open("wb"), stderr=subprocess.STDOUT, cwd=tmp_path)  # fmt: skip
 
         def until(name: str, text: str, within: float, what: str) -> float:
             started = time.monotonic()

@@ -6,6 +6,7 @@ it. Every sync verified bit for bit (``examples/trl_grpo.py --verify``)."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -14,7 +15,8 @@ from typing import Any
 import pytest
 
 from testbed.hosts import Hosts
-from tests.harness.accelerate_jobs import job_command, job_env
+from tests.harness.accelerate_jobs import job_command
+from tests.harness.examples import example_env
 from tests.serve.servers import TEST_EXTENSION, serve_command
 
 pytest.importorskip("trl")
@@ -46,18 +48,20 @@ engine.request("/collective_rpc", {"method": "rs_harness_request_amx"}, timeout=
 
 def test_trl_server_mode_syncs_into_a_server_on_another_host_bit_for_bit(tiny_model: Any, tmp_path: Path):
     model = tiny_model("dense")
-    env = {**job_env(), "VLLM_SERVER_DEV_MODE": "1"}
+    # the server runs a test extension (the checkout on PYTHONPATH); the job is the example, run as a user would
+    server_env = {**os.environ, "PYTHONPATH": str(ROOT), "VLLM_SERVER_DEV_MODE": "1", "DS_ACCELERATOR": "cpu"}
+    env = example_env(VLLM_SERVER_DEV_MODE="1")
     with Hosts(["a", "b"]) as hosts:
         url = f"http://{hosts.name_of('b')}:8000"
         serve = serve_command(model, 8000, 1, TRL_SERVER_ARGS, TEST_EXTENSION, host=hosts.address("b"))
-        server = hosts.run("b", serve, env=env, cwd=ROOT, stdout=(tmp_path / "server.log").open("wb"), stderr=subprocess.STDOUT)  # fmt: skip
+        server = hosts.run("b", serve, env=server_env, cwd=ROOT, stdout=(tmp_path / "server.log").open("wb"), stderr=subprocess.STDOUT)  # fmt: skip
         try:
             hosts.exec("a", [sys.executable, "-c", READY, url], timeout=460)
         except Exception:
             raise AssertionError((tmp_path / "server.log").read_text(errors="replace")[-3000:]) from None
         before = hosts.bytes_into("b")
         cmd = job_command("examples/trl_grpo.py", 3, tmp_path, "--mode", "server", "--verify", "--steps", "3")
-        job = hosts.run("a", [*cmd, "--server-url", url], env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)  # fmt: skip
+        job = hosts.run("a", [*cmd, "--server-url", url], env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)  # fmt: skip
         out, _ = job.communicate(timeout=600)
         crossed = hosts.bytes_into("b") - before
         Hosts.stop(server)

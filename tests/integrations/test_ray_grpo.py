@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 
 from testbed.hosts import Hosts, available
+from tests.harness.examples import example_env
 
 pytest.importorskip("ray")
 pytestmark = [pytest.mark.vllm, pytest.mark.deepspeed]
@@ -32,9 +33,9 @@ def summary_of(out: str) -> dict[str, Any]:
 
 
 def test_ray_grpo_on_one_machine_syncs_every_step_bit_for_bit(tmp_path: Path):
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "DS_ACCELERATOR": "cpu", "RAY_DEDUP_LOGS": "0"}
+    env = example_env(RAY_DEDUP_LOGS="0")  # run as a user runs it: from its install, outside the checkout
     cmd = [sys.executable, str(EXAMPLE), "--steps", "3", "--verify", "--workdir", str(tmp_path)]
-    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     summary = summary_of(done.stdout)
     assert summary["ok"] and [s["version"] for s in summary["steps"]] == [1, 2, 3], summary
@@ -88,23 +89,20 @@ def test_ray_grpo_across_two_hosts_and_a_lost_node_replaced(tmp_path: Path):
     (its link slowed so that the sync is still crossing it, then every process of it SIGKILLed): the
     trainer actors fail that sync in time, the driver starts a replacement engine on host a, both meet in
     the next handshake round, and the remaining steps sync bit for bit."""
-    env = {
-        **os.environ,
-        "PYTHONPATH": str(ROOT),
-        "DS_ACCELERATOR": "cpu",
-        "RAY_DEDUP_LOGS": "0",
-        "RAY_GRPO_TIMEOUT": "60",
+    env = example_env(
+        RAY_DEDUP_LOGS="0",
+        RAY_GRPO_TIMEOUT="60",
         # A cluster over a network authenticates its nodes and drivers (Ray's token mode): one token for all.
-        "RAY_AUTH_MODE": "token",
-        "RAY_AUTH_TOKEN": secrets.token_hex(32),
-    }
+        RAY_AUTH_MODE="token",
+        RAY_AUTH_TOKEN=secrets.token_hex(32),
+    )
     with Hosts(["a", "b"], shm_size="2g") as hosts:
         ray_cluster(hosts, tmp_path, env)
         cmd = [sys.executable, str(EXAMPLE), "--steps", "5", "--verify", "--workdir", str(tmp_path / "work")]
         cmd += ["--address", f"{hosts.address('a')}:6379", "--trainer-resource", "host_a"]
         cmd += ["--engine-resource", "host_b", "--replace-lost-engine", "--replacement-resource", "host_a"]
         log = tmp_path / "driver.log"
-        driver = hosts.run("a", cmd, env=env, stdout=log.open("wb"), stderr=subprocess.STDOUT)
+        driver = hosts.run("a", cmd, env=env, stdout=log.open("wb"), stderr=subprocess.STDOUT, cwd=tmp_path)
         deadline = time.monotonic() + 600
 
         def text() -> str:

@@ -142,7 +142,7 @@ def bases(trainer_side: list[dict[str, Any]], reports: list[list[dict[str, Any]]
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from testbed.tiny_models import make_tiny_model
+    from rollout_sync.tiny import make_tiny_model
 
     return make_tiny_model("dense", tmp_path_factory.mktemp("serve_model") / "dense-seed0", 0)
 

@@ -6,10 +6,14 @@
   (``python -m benchmarks.render --write`` updates them).
 - Every name of ``rollout_sync.__all__`` resolves, and the README's code imports rollout-sync only from the
   package's top level (the public API).
+- The examples are users' own programs: they import rollout-sync only from its top level (and the tiny-model
+  maker, ``rollout_sync.tiny``), nothing of the checkout (``testbed``, ``tests``, ``benchmarks``), and do
+  not put the checkout on ``sys.path``; their tests run them from outside the checkout.
 """
 
 from __future__ import annotations
 
+import ast
 import json
 import re
 from pathlib import Path
@@ -110,3 +114,34 @@ def test_every_path_the_docs_name_in_the_checkout_exists() -> None:
         if path.startswith(tops) and "*" not in path and not (ROOT / path.rstrip("/")).exists()
     }
     assert missing == set()
+
+
+def _checkout_bound(path: Path) -> list[str]:
+    """What in example ``path`` needs the checkout or goes past the public API."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            modules = [(node.module, [a.name for a in node.names])]
+        elif isinstance(node, ast.Import):
+            modules = [(a.name, []) for a in node.names]
+        else:
+            if isinstance(node, ast.Attribute) and node.attr == "path" and ast.unparse(node) == "sys.path":
+                found.append(f"line {node.lineno}: sys.path")
+            continue
+        for module, names in modules:
+            top = module.split(".")[0]
+            if module == "rollout_sync":
+                found += [
+                    f"line {node.lineno}: rollout_sync.{n}" for n in names if n not in rollout_sync.__all__
+                ]
+            elif (
+                top in ("rollout_sync", "vllm_plugin", "testbed", "tests", "benchmarks")
+                and module != "rollout_sync.tiny"
+            ):
+                found.append(f"line {node.lineno}: {module}")
+    return found
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "examples").rglob("*.py")), ids=lambda p: p.name)
+def test_an_example_imports_only_the_installed_public_api(path: Path) -> None:
+    assert _checkout_bound(path) == [], path.relative_to(ROOT)

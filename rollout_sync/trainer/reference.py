@@ -1,5 +1,6 @@
-"""A trainer's weights as a checkpoint, taken with DeepSpeed's own gathers (independent of rollout-sync's
-maps, so it can check a sync): every logical tensor under the name ``save_pretrained`` writes.
+"""Reference checkpoints: a trainer's weights as a checkpoint, taken with DeepSpeed's own gathers (independent
+of rollout-sync's maps, so it can check a sync, ``TrainerSync.save_reference``): every logical tensor under
+the name ``save_pretrained`` writes.
 
 ``full_logical_tensors(engine)`` is collective (every rank calls it): ZeRO-3 parameters are gathered with
 ``GatheredParameters``, AutoTP shards all-gathered over the TP group and concatenated along AutoTP's
@@ -19,8 +20,8 @@ from typing import Any
 
 import torch
 
-from rollout_sync.trainer.engine_parts import autoep_layers
-from rollout_sync.trainer.naming import autoep_expert_parts, autoep_router_name
+from .engine_parts import autoep_layers
+from .naming import autoep_expert_parts, autoep_router_name
 
 __all__ = [
     "assembled",
@@ -29,6 +30,7 @@ __all__ = [
     "logical_tensors",
     "save_adapter",
     "save_checkpoint",
+    "save_merged",
 ]
 
 

@@ -1,4 +1,5 @@
-"""Tiny Qwen3 checkpoints built locally, with no download, for tests, examples and the README demo.
+"""Tiny Qwen3 checkpoints built locally, with no download: for trying rollout-sync (the examples, the README
+demo) and for its tests. ``python -m rollout_sync.tiny KIND PATH [--seed N]`` builds one.
 
 ``make_tiny_model(kind, path, seed)`` writes a Hugging Face checkpoint directory (config, bf16 safetensors,
 a word-level tokenizer) that both DeepSpeed (through ``transformers``) and vLLM load. The shapes are chosen
@@ -200,3 +201,21 @@ def _save_tokenizer(spec: TinyModelSpec, out: Path) -> None:
         eos_token="<eos>",
     )
     tokenizer.save_pretrained(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        prog="python -m rollout_sync.tiny", description="Build a tiny Qwen3 checkpoint locally (no download)."
+    )
+    parser.add_argument("kind", choices=TINY_KINDS)
+    parser.add_argument("path")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    print(make_tiny_model(args.kind, args.path, args.seed))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
