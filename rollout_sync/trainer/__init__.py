@@ -3,11 +3,9 @@ their buffers, and the hook that syncs after each optimizer step.
 
 Pure modules (no torch): ``facts`` (layout facts), ``placement`` (TP/EP placements from DeepSpeed's descriptions),
 ``naming`` (logical tensor names), ``storage_maps`` (facts to maps), ``shape_facts`` (the facts an engine
-would hold, from a model's shape table and a layout description), ``refusals``; DeepSpeed's arithmetic (flat buffers, partitions, AutoTP shard sizes) is
-``rollout_sync.geometry.deepspeed``. Live modules: ``read_engine``
-(facts and buffers of an engine), built on ``engine_checks`` (the refusals read from an engine),
-``placement_reader`` (AutoTP/AutoEP placements), ``zero_positions`` (this rank's buffers and their ZeRO-1/2/3
-flat positions) and ``engine_parts`` (groups, AutoEP layers, ZeRO-3 parameters); ``views``, ``storage``
+would hold, from a model's shape table and a layout description); DeepSpeed's arithmetic (flat buffers, partitions, AutoTP shard sizes) is
+``rollout_sync.geometry.deepspeed``. Live modules: ``engine/`` (reading a DeepSpeed engine: its
+facts, buffers, placements and refusals; ``engine/read.py`` first); ``views``, ``storage``
 (entry points), ``freshness`` and ``fresh_views`` (views kept valid between syncs), ``step_hook`` and
 ``hook`` (``TrainerSync``). The live modules import torch; DeepSpeed is imported only when an engine is read.
 """

@@ -1,6 +1,6 @@
 """Layout facts of a DeepSpeed training engine, as plain data (no torch, no DeepSpeed).
 
-A live adapter (``rollout_sync.trainer.read_engine``) reads these from an engine; a dry run can write them
+A live adapter (``rollout_sync.trainer.engine.read``) reads these from an engine; a dry run can write them
 down from a model config and a layout description. Map builders (``rollout_sync.trainer.storage_maps``)
 are pure functions of them.
 

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from .engine_parts import autoep_layers
+from .engine.parts import autoep_layers
 from .naming import autoep_expert_parts, autoep_router_name
 
 __all__ = [

@@ -24,9 +24,9 @@ import torch
 
 from ..errors import LayoutError
 from ..layout.maps import TensorMap
+from .engine.read import read_engine
 from .facts import STATES
 from .freshness import BufferWatch
-from .read_engine import read_engine
 from .storage_maps import state_maps
 from .views import storage_views, watched_views
 
@@ -43,7 +43,7 @@ class TrainerStorage(NamedTuple):
 def trainer_storages(engine: Any, states: Sequence[str] = ("param",)) -> dict[str, TrainerStorage]:
     """Maps and views of ``engine`` for each of ``states`` (``param``, ``fp32``, ``exp_avg``,
     ``exp_avg_sq``). Raises a ``LayoutError`` subclass, before anything moves, for a layout the maps do not
-    describe (see ``rollout_sync.trainer.refusals``)."""
+    describe (see ``rollout_sync.trainer.engine.refusals``)."""
     for state in states:
         if state not in STATES:
             raise LayoutError("unknown state", expected=STATES, found=state)

@@ -16,10 +16,10 @@ from typing import Any
 import torch
 
 from ..errors import LayoutError, ShapeMismatchError, UnsupportedLayoutError
+from .engine.read import ReadEngine
+from .engine.zero_positions import LocalParam, flat_view
 from .freshness import BufferWatch, anchor_builder
-from .read_engine import ReadEngine
 from .storage_maps import StorageMap
-from .zero_positions import LocalParam, flat_view
 
 __all__ = ["state_buffer", "state_source", "storage_views", "watched_views"]
 

@@ -16,10 +16,10 @@ from hypothesis import strategies as st
 from rollout_sync.errors import LayoutError, NotAffineError, UnsupportedLayoutError
 from rollout_sync.geometry.deepspeed import param_alignment_for, round_robin_order, zero12_flat_layout
 from rollout_sync.layout.shards import Layout, Shard, ShardBlock
+from rollout_sync.trainer.engine.refusals import EngineTraits, refuse_engine
 from rollout_sync.trainer.facts import LogicalPart, ParamFacts, TrainerFacts, ZeroGroup
 from rollout_sync.trainer.naming import autoep_expert_parts, fused_expert_parts, plain_parts
 from rollout_sync.trainer.placement import autoep_layout, autotp_layout, replicated_layout, single_layout
-from rollout_sync.trainer.refusals import EngineTraits, refuse_engine
 from rollout_sync.trainer.storage_maps import state_maps
 
 # --------------------------------------------------------------------------------------------------------

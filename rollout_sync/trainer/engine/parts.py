@@ -2,7 +2,7 @@
 a process group's global ranks, a module's AutoEP layers, whether a parameter is a ZeRO-3 partition, and a
 parameter's full (unpartitioned) shape.
 
-Shared by the refusal checks (``engine_checks``), the placement reader (``placement_reader``) and the
+Shared by the refusal checks (``checks``), the placement reader (``placements``) and the
 recovery of ZeRO positions (``zero_positions``). DeepSpeed is imported only when a function needs it.
 """
 

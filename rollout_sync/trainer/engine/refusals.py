@@ -4,7 +4,7 @@
 ``UnsupportedLayoutError`` that names the feature and says what to change. Per-parameter refusals (a
 gathered ZeRO-3 parameter, a ``ds_tensor`` of the wrong size, a storage group that does not match the
 expert-data-parallel table, mixed ZeRO-3 and non-ZeRO-3 experts, a quantized or secondary partition) are
-raised where the parameter is read (``rollout_sync.trainer.engine_checks``, ``placement_reader``,
+raised where the parameter is read (``rollout_sync.trainer.engine.checks``, ``placements``,
 ``zero_positions``).
 """
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..errors import UnsupportedLayoutError
+from ...errors import UnsupportedLayoutError
 
 __all__ = ["KNOWN_OPTIMIZERS", "EngineTraits", "refuse_engine"]
 

@@ -2,7 +2,7 @@
 
 - ``read_traits``: the engine-wide ``EngineTraits`` (offload, ZeRO++, MiCS, expert tensor parallelism,
   AutoEP with AutoTP, pipeline, sequence parallelism, the optimizer wrapper) that
-  ``rollout_sync.trainer.refusals.refuse_engine`` judges;
+  ``rollout_sync.trainer.engine.refusals.refuse_engine`` judges;
 - ``check_expert_layers``: an AutoEP layer whose experts mix ZeRO-3 and non-ZeRO-3 parameters;
 - ``check_zero3_param``: a ZeRO-3 parameter whose storage is not a plain even partition of its group
   (gathered, hpZ secondary, quantized, NVMe-offloaded, another group, another size).
@@ -15,9 +15,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..errors import LayoutError, UnsupportedLayoutError
-from .engine_parts import autoep_layers, group_ranks, is_zero3_param
-from .facts import ZeroGroup
+from ...errors import LayoutError, UnsupportedLayoutError
+from ..facts import ZeroGroup
+from .parts import autoep_layers, group_ranks, is_zero3_param
 from .refusals import EngineTraits
 
 __all__ = ["check_expert_layers", "check_zero3_param", "read_traits"]
@@ -83,7 +83,7 @@ def check_expert_layers(layers: dict[str, Any], rank: int) -> None:
 
 def check_zero3_param(name: str, p: Any, group: ZeroGroup, rank: int, allow_gathered: bool = False) -> None:
     """Refuse a parameter of a ZeRO-3 engine whose ``ds_tensor`` is not the even partition of ``group``
-    that the maps describe (``allow_gathered``: see ``rollout_sync.trainer.read_engine.read_engine``)."""
+    that the maps describe (``allow_gathered``: see ``rollout_sync.trainer.engine.read.read_engine``)."""
     from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
     if not is_zero3_param(p):

@@ -21,12 +21,12 @@ from typing import Any
 
 import torch
 
-from ..errors import LayoutError, UnsupportedLayoutError
-from ..geometry.deepspeed import param_alignment_for, zero12_flat_layout
-from ..layout.dtypes import dtype_name
-from .engine_parts import group_ranks
-from .facts import ZeroGroup
-from .placement_reader import ParamPlacement
+from ...errors import LayoutError, UnsupportedLayoutError
+from ...geometry.deepspeed import param_alignment_for, zero12_flat_layout
+from ...layout.dtypes import dtype_name
+from ..facts import ZeroGroup
+from .parts import group_ranks
+from .placements import ParamPlacement
 
 __all__ = ["LocalParam", "flat_view", "zero3_positions", "zero12_positions"]
 

@@ -23,12 +23,12 @@ from typing import Any, TypeAlias
 import torch
 import torch.distributed as tdist
 
-from ..errors import LayoutError, UnsupportedLayoutError
-from ..layout.shards import Layout
-from .engine_parts import autoep_layers, full_param_shape, group_ranks
-from .facts import LogicalPart, ZeroGroup
-from .naming import autoep_expert_parts, autoep_router_name, fused_expert_parts, plain_parts
-from .placement import autoep_layout, autotp_layout, replicated_layout, single_layout
+from ...errors import LayoutError, UnsupportedLayoutError
+from ...layout.shards import Layout
+from ..facts import LogicalPart, ZeroGroup
+from ..naming import autoep_expert_parts, autoep_router_name, fused_expert_parts, plain_parts
+from ..placement import autoep_layout, autotp_layout, replicated_layout, single_layout
+from .parts import autoep_layers, full_param_shape, group_ranks
 
 __all__ = ["AUTOEP_META", "AUTOTP_META", "ParamPlacement", "PlacementReader"]
 

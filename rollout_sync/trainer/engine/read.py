@@ -4,9 +4,9 @@ Everything is read locally: no collective runs, so any rank may call this alone.
 (their groups, their shards, where their shards sit in their flat buffers) follow from DeepSpeed's rules,
 each in its own module:
 
-- ``engine_checks``: the engine-wide traits ``refusals.refuse_engine`` judges, and the per-parameter
+- ``checks``: the engine-wide traits ``refusals.refuse_engine`` judges, and the per-parameter
   refusals (mixed ZeRO-3 experts, a ZeRO-3 partition that is not the even partition of its group);
-- ``placement_reader``: AutoTP and AutoEP placements, the ZeRO group of each shard, the logical tensors;
+- ``placements``: AutoTP and AutoEP placements, the ZeRO group of each shard, the logical tensors;
 - ``zero_positions``: this rank's buffers (``LocalParam``) and the flat positions of ZeRO-1/2/3.
 
 Every rule is checked against what this rank really has (its own groups, shard shapes, flat offsets,
@@ -19,12 +19,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import LayoutError, ShapeMismatchError, UnsupportedLayoutError
-from ..layout.dtypes import dtype_name
-from .engine_checks import check_expert_layers, check_zero3_param, read_traits
-from .engine_parts import full_param_shape, is_zero3_param
-from .facts import ParamFacts, TrainerFacts
-from .placement_reader import ParamPlacement, PlacementReader
+from ...errors import LayoutError, ShapeMismatchError, UnsupportedLayoutError
+from ...layout.dtypes import dtype_name
+from ..facts import ParamFacts, TrainerFacts
+from .checks import check_expert_layers, check_zero3_param, read_traits
+from .parts import full_param_shape, is_zero3_param
+from .placements import ParamPlacement, PlacementReader
 from .refusals import refuse_engine
 from .zero_positions import LocalParam, zero3_positions, zero12_positions
 
@@ -56,7 +56,7 @@ def _itself(obj: Any) -> Callable[[], Any]:
 
 def read_engine(engine: Any, *, allow_gathered: bool = False) -> ReadEngine:
     """Layout facts of ``engine`` and this rank's own buffers; raises the refusals of
-    ``rollout_sync.trainer.refusals``, ``engine_checks``, ``placement_reader`` and ``zero_positions`` before
+    ``rollout_sync.trainer.engine.refusals``, ``checks``, ``placements`` and ``zero_positions`` before
     anything moves.
 
     ``allow_gathered`` accepts ZeRO-3 parameters that are gathered (persistent parameters stay gathered
