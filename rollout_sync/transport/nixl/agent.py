@@ -31,6 +31,8 @@ __all__ = ["NixlAgent", "ucx_environment"]
 
 UCX_DEFAULTS = {"UCX_TLS": "tcp", "UCX_TCP_TX_SEG_SIZE": "256k", "UCX_TCP_RX_SEG_SIZE": "256k"}
 POLL_S = 0.0005
+#: How long ``add_peer`` keeps trying to connect to a peer that NIXL cannot reach yet.
+REACH_S = 10.0
 
 
 def _nixl() -> Any:
@@ -173,9 +175,22 @@ class NixlAgent:
     def metadata(self) -> bytes:
         return bytes(self.agent.get_agent_metadata())
 
-    def add_peer(self, metadata: bytes, label: str | None = None) -> str:
-        """Add a peer's agent from its metadata; ``label``: how errors name it (a rank and its host)."""
-        name = self.agent.add_remote_agent(metadata)
+    def add_peer(self, metadata: bytes, label: str | None = None, within: float = REACH_S) -> str:
+        """Add a peer's agent from its metadata; ``label``: how errors name it (a rank and its host). NIXL
+        connects to the peer here: where it cannot (UCX: "Destination is unreachable", seen right after a
+        cut link came back), it is tried again for ``within`` seconds, then ``PeerFailedError`` names it."""
+        deadline = time.monotonic() + within
+        while True:
+            try:
+                name = self.agent.add_remote_agent(metadata)
+                break
+            except Exception as exc:  # nixl's own error types (nixlBackendError, ...): named below
+                if time.monotonic() > deadline:
+                    raise PeerFailedError(
+                        f"{label or 'a peer'}: NIXL could not connect to its agent within {within:g} s "
+                        f"({type(exc).__name__}: {exc}); its host unreachable, a link down, or the peer gone"
+                    ) from exc
+                time.sleep(0.2)
         name = name.decode() if isinstance(name, bytes) else str(name)
         self.peers[name] = label or name
         return name
