@@ -24,6 +24,7 @@ from transformers import TrainerCallback
 
 from vllm_plugin.rollouts import ColocatedRollout, RolloutSide, ServedRollout
 
+from ..sync.options import SyncOptions
 from .weight_sync import WeightSync, check_trainer, deepspeed_engine
 
 __all__ = ["RolloutSyncCallback"]
@@ -59,10 +60,6 @@ def _rollout_side(rollout: RolloutSide | str | Any, timeout: float | None) -> Ro
             "RolloutSyncCallback(trainer, llm or url): build it after the Trainer (its process group)"
         )
     if isinstance(rollout, str):
-        driver = dist.get_rank() == 0
-        return (
-            ServedRollout(rollout, driver=driver)
-            if timeout is None
-            else ServedRollout(rollout, driver=driver, timeout=timeout)
-        )
+        wait = SyncOptions.timeout if timeout is None else timeout
+        return ServedRollout(rollout, driver=dist.get_rank() == 0, timeout=wait)
     return ColocatedRollout(rollout, rank=dist.get_rank(), world=dist.get_world_size())
