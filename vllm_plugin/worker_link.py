@@ -136,6 +136,7 @@ def receive(worker: RolloutWorker, link: RolloutLink, *, open_update: bool = Tru
         if forms is None
         else {
             "rebuilt": forms.rebuilt,
+            "lent": forms.lent,  # of them, rebuilt from the kept loaded form itself (no copy)
             "unchanged": forms.unchanged,
             "kept_bytes": forms.kept_bytes,
             "pool_bytes": forms.held_bytes(),  # buffers loaded forms are written into, kept between syncs

@@ -93,6 +93,10 @@ def test_delta_syncs_move_only_changed_weights_and_leave_the_engine_bit_exact(
             # Every packed layer keeps its loaded form (the delta's base): their memory is reported.
             kept = [w["loaded_forms"]["kept_bytes"] for _, workers in steps for w in workers]
             assert all(k > 0 for k in kept) and len(set(kept)) == 1, kept
+            # The packing reads its input: after its first rebuild every layer gets its kept form itself.
+            forms = [w["loaded_forms"] for _, workers in steps for w in workers]
+            assert all(f["lent"] == 0 and f["rebuilt"] == packs["linears"] for f in forms[:2]), forms[:2]
+            assert all(f["lent"] == f["rebuilt"] > 0 for f in forms[2:]), forms[2:]
             # Nothing changed since the last sync: every layer arrives unchanged, keeps its kernel's form
             # and nothing derived is rebuilt; then one parameter changes: only its layer is rebuilt.
             quiet = _sync_now(pool, engine)
