@@ -334,7 +334,9 @@ class LoadedForms:
         if self.keeping:  # still in its kernel's form: its loaded form is made from the kept one below
             self._to_loaded_form(layer)
         info = layerwise.get_layerwise_info(layer.module)
-        inputs: dict[str, torch.Tensor] = {}  # the loaded form processing reads, where copied from the kept one
+        inputs: dict[
+            str, torch.Tensor
+        ] = {}  # the loaded form processing reads, where copied from the kept one
         try:
             with torch.no_grad():
                 if self.keeping:
@@ -351,7 +353,9 @@ class LoadedForms:
                             inputs[pname] = param.data
                 _drop_kernel_state(layer.module)
                 layerwise._layerwise_process(layer.module, info)
-                if inputs:  # the first rebuild from the kept form: does processing leave its inputs as they were?
+                if (
+                    inputs
+                ):  # the first rebuild from the kept form: does processing leave its inputs as they were?
                     self.lends_kept[name] = all(_same_bits(inputs[p], opened[p]) for p in inputs)
         except BaseException:
             self._to_kernel_form(layer)

@@ -9,13 +9,10 @@ from typing import Any
 
 import pytest
 import torch
+from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
+from vllm.model_executor.model_loader.reload.layerwise import record_metadata_for_reloading
 
-pytest.importorskip("vllm")
-
-from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase  # noqa: E402
-from vllm.model_executor.model_loader.reload.layerwise import record_metadata_for_reloading  # noqa: E402
-
-from vllm_plugin.loaded_form import LoadedForms  # noqa: E402
+from vllm_plugin.loaded_form import LoadedForms
 
 
 class _Packing(QuantizeMethodBase):
