@@ -28,6 +28,7 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, get_args
@@ -88,21 +89,29 @@ def make_tiny_model(kind: TinyKind, path: str | os.PathLike[str], seed: int = 0)
     spec = tiny_spec(kind)
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
         raise ValueError(f"seed must be a non-negative int, found {seed!r}")
-    target = Path(path)
     stamp = {"kind": kind, "seed": seed, "recipe_version": _RECIPE_VERSION, "spec": asdict(spec)}
-    existing = _read_stamp(target)
+    return build_stamped(Path(path), _STAMP, stamp, lambda out: _build(spec, seed, out))
+
+
+def build_stamped(
+    target: Path, stamp_file: str, stamp: dict[str, Any], build: Callable[[Path], None]
+) -> Path:
+    """``target`` if it holds ``stamp`` (in its file ``stamp_file``); else ``build(directory)`` into a
+    temporary sibling, stamped and renamed into place (a concurrent build of the same stamp wins). Refuses
+    (``FileExistsError``) a non-empty ``target`` without the stamp file: it is not a build of ours."""
+    existing = _read_stamp(target, stamp_file)
     if existing == stamp:
         return target
     if target.exists() and any(target.iterdir()) and existing is None:
         raise FileExistsError(
-            f"{target} is not empty and holds no tiny-model stamp ({_STAMP}); refusing to overwrite it"
+            f"{target} is not empty and holds no model stamp ({stamp_file}); refusing to overwrite it"
         )
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     try:
-        _build(spec, seed, staging)
-        (staging / _STAMP).write_text(json.dumps(stamp, indent=1, sort_keys=True))
-        if _read_stamp(target) == stamp:  # another process finished the same build first
+        build(staging)
+        (staging / stamp_file).write_text(json.dumps(stamp, indent=1, sort_keys=True))
+        if _read_stamp(target, stamp_file) == stamp:  # another process finished the same build first
             return target
         if target.exists():
             shutil.rmtree(target)
@@ -113,9 +122,9 @@ def make_tiny_model(kind: TinyKind, path: str | os.PathLike[str], seed: int = 0)
     return target
 
 
-def _read_stamp(path: Path) -> dict[str, Any] | None:
+def _read_stamp(path: Path, stamp_file: str = _STAMP) -> dict[str, Any] | None:
     try:
-        data = json.loads((path / _STAMP).read_text())
+        data = json.loads((path / stamp_file).read_text())
     except (OSError, ValueError):
         return None
     return data if isinstance(data, dict) else None

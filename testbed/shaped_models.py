@@ -10,14 +10,11 @@ place.
 
 from __future__ import annotations
 
-import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
-from rollout_sync.tiny import TinyModelSpec, _hf_config, _save_tokenizer
+from rollout_sync.tiny import TinyModelSpec, _hf_config, _save_tokenizer, build_stamped
 
 __all__ = ["SHAPED_KINDS", "make_shaped_model", "shaped_spec"]
 
@@ -47,28 +44,8 @@ def shaped_spec(kind: str) -> TinyModelSpec:
 
 def make_shaped_model(kind: str, path: str | os.PathLike[str], seed: int = 0) -> Path:
     spec = shaped_spec(kind)
-    target = Path(path)
     stamp: dict[str, Any] = {"kind": kind, "seed": seed, "recipe_version": _RECIPE_VERSION}
-    try:
-        if json.loads((target / _STAMP).read_text()) == stamp:
-            return target
-    except (OSError, ValueError):
-        if target.exists() and any(target.iterdir()):
-            raise FileExistsError(
-                f"{target} is not empty and holds no {_STAMP}; refusing to overwrite it"
-            ) from None
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
-    try:
-        _build(spec, seed, staging)
-        (staging / _STAMP).write_text(json.dumps(stamp))
-        if target.exists():
-            shutil.rmtree(target)
-        os.replace(staging, target)
-    finally:
-        if staging.exists():
-            shutil.rmtree(staging, ignore_errors=True)
-    return target
+    return build_stamped(Path(path), _STAMP, stamp, lambda out: _build(spec, seed, out))
 
 
 def _build(spec: TinyModelSpec, seed: int, out: Path) -> None:
