@@ -334,28 +334,26 @@ class LoadedForms:
         if self.keeping:  # still in its kernel's form: its loaded form is made from the kept one below
             self._to_loaded_form(layer)
         info = layerwise.get_layerwise_info(layer.module)
-        inputs: dict[
-            str, torch.Tensor
-        ] = {}  # the loaded form processing reads, where copied from the kept one
+        # where the kept form is copied at a layer's first rebuild: the copies processing reads, to check after
+        inputs: dict[str, torch.Tensor] = {}
         try:
             with torch.no_grad():
                 if self.keeping:
                     self.memory.materialize(name, layer.module, info)
                     prefix = f"{name}." if name else ""
-                    lends = self.lends_kept.get(name, False)
-                    self.lent += lends
+                    lends = self.lends_kept.get(name)
+                    self.lent += bool(lends)
                     for pname, kept in opened.items():
                         param = getattr(layer.module, pname.removeprefix(prefix))
                         if lends:
                             param.data = kept
-                        else:
-                            param.data.copy_(kept)
+                            continue
+                        param.data.copy_(kept)
+                        if lends is None:
                             inputs[pname] = param.data
                 _drop_kernel_state(layer.module)
                 layerwise._layerwise_process(layer.module, info)
-                if (
-                    inputs
-                ):  # the first rebuild from the kept form: does processing leave its inputs as they were?
+                if inputs:  # did processing leave its inputs as they were? Then it may read the kept form
                     self.lends_kept[name] = all(_same_bits(inputs[p], opened[p]) for p in inputs)
         except BaseException:
             self._to_kernel_form(layer)
