@@ -55,6 +55,7 @@ from rollout_sync.errors import UnsupportedLayoutError
 from rollout_sync.rollout.apply import covered_ranges, uncovered_ranges
 from rollout_sync.rollout.storage_view import StorageView
 from rollout_sync.rollout.update import REBUILD_ROOM
+from rollout_sync.transport.delta.change_codec import bits_dtype
 
 from .layer_memory import LayerMemory
 
@@ -110,8 +111,7 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     if a.shape != b.shape or a.dtype != b.dtype:
         return False
     if a.is_floating_point():  # bit patterns: a NaN equals itself, -0.0 differs from 0.0
-        bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
-        a, b = a.view(bits), b.view(bits)
+        a, b = a.view(bits_dtype(a.element_size())), b.view(bits_dtype(b.element_size()))
     return bool(torch.equal(a, b))
 
 
